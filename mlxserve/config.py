@@ -1,0 +1,125 @@
+"""Every setting, once: name, type, default and help text.
+
+The CLI builds its flags from these dataclasses and the Python API takes the
+same names as keyword arguments, so the two can never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+
+def setting(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = setting(
+        None,
+        "Model to serve: a local MLX folder, a .gguf file, a Hugging Face repo id, "
+        "a built-in name (default, gemma3-270m) or, with --load-format dummy, a "
+        "named shape or config.json. Empty: the embedded default model.",
+        positional=True,
+    )
+    load_format: str = setting(
+        "auto",
+        "auto: real weights; dummy: random weights of the model's architecture (for benchmarks).",
+        choices=("auto", "dummy"),
+    )
+    dtype: str | None = setting(
+        None,
+        "Weight dtype for converted and dummy models (float32, bfloat16, float16). "
+        "Default: float32 on the CPU backend, bfloat16 on a GPU.",
+    )
+    quantize: int | None = setting(
+        None, "Quantize dummy weights to this many bits (4 or 8).", choices=(4, 8)
+    )
+    seed: int = setting(0, "Seed for dummy weights.")
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = setting(
+        32, "Most sequences decoded together in one batch."
+    )
+    prefill_chunk_size: int = setting(
+        512,
+        "Prompt tokens prefilled per engine step; long prompts are split into "
+        "chunks of this size, with decode steps of running requests in between.",
+    )
+    prefill_batch_size: int = setting(
+        8, "Most prompts prefilled together in one step."
+    )
+    max_model_len: int | None = setting(
+        None, "Longest prompt plus output, in tokens. Default: the model's context length."
+    )
+    max_queue: int = setting(
+        256, "Most requests waiting for a slot; beyond this new requests are refused (HTTP 429)."
+    )
+    default_max_tokens: int = setting(
+        4096, "Output tokens of a request that names no limit (capped by the context)."
+    )
+    solo_fast_path: bool = setting(
+        True,
+        "Decode a lone request with a lean single-sequence loop (like mlx-lm's "
+        "generate_step) and move it into the batch when others arrive.",
+    )
+
+
+@dataclass
+class ServerConfig:
+    host: str = setting("127.0.0.1", "Address to listen on.")
+    port: int = setting(8000, "Port to listen on.")
+    api_key: str | None = setting(
+        None, "Require 'Authorization: Bearer KEY' on /v1/* (health stays open)."
+    )
+    served_model_name: str | None = setting(
+        None, "Model name reported by /v1/models and accepted in requests."
+    )
+    log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, *config_classes) -> None:
+    """Add one flag per setting of the given config dataclasses."""
+    for cls in config_classes:
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            kwargs = {"help": meta["help"]}
+            if "choices" in meta:
+                kwargs["choices"] = meta["choices"]
+            default = f.default
+            if f.type in ("bool",) or isinstance(default, bool):
+                parser.add_argument(
+                    _flag(f.name), dest=f.name, default=default,
+                    action=argparse.BooleanOptionalAction, **kwargs,
+                )
+                continue
+            kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
+            if meta.get("positional"):
+                parser.add_argument(f.name, nargs="?", default=default, type=kind, **kwargs)
+            else:
+                parser.add_argument(_flag(f.name), dest=f.name, default=default, type=kind, **kwargs)
+
+
+def from_namespace(cls, namespace: argparse.Namespace):
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+
+
+def split_kwargs(kwargs: dict, *config_classes):
+    """Python API: route keyword arguments to config dataclasses by name."""
+    built = []
+    remaining = dict(kwargs)
+    for cls in config_classes:
+        names = {f.name for f in dataclasses.fields(cls)}
+        built.append(cls(**{k: remaining.pop(k) for k in list(remaining) if k in names}))
+    if remaining:
+        raise TypeError(f"unknown settings: {', '.join(sorted(remaining))}")
+    return built

@@ -1,0 +1,303 @@
+"""AsyncEngine: the bridge between asyncio callers and the one MLX thread.
+
+Callers `submit()` a tokenized request and iterate its outputs. The MLX thread
+owns the model, the scheduler and the runner; it receives commands through a
+thread-safe queue and hands each step's tokens back to the callers' event
+loops in one `call_soon_threadsafe` per step. Detokenizing and stop strings
+run on the caller's side, off the MLX thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from mlxserve.config import EngineConfig
+from mlxserve.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
+from mlxserve.engine.request import (
+    EngineError,
+    PromptTooLongError,
+    Request,
+    RequestOutput,
+    TokenLogprob,
+)
+
+log = logging.getLogger("mlxserve.engine")
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; try again later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running."""
+
+
+@dataclass
+class _Token:
+    token: int
+    finish_reason: str | None
+    is_stop_token: bool
+    logprob: float | None
+    top: list
+    cached_tokens: int
+    time: float
+
+
+@dataclass
+class _Failure:
+    message: str
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    request: Request
+
+
+class AsyncEngine:
+    def __init__(self, loaded, config: EngineConfig | None = None):
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = self.config.max_model_len or loaded.context_length
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self.fatal_error: str | None = None
+        self.num_running = 0
+        self.num_waiting = 0
+        self.steps = 0
+        self.last_step_time = time.monotonic()
+        self.on_step = None  # optional callback(engine) after each step, for metrics
+
+    # ---- lifetime ----
+    def start(self) -> "AsyncEngine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+            self._thread.start()
+            self._ready.wait()
+            if self.fatal_error:
+                raise EngineDeadError(self.fatal_error)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(("stop", None))
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self.fatal_error
+
+    # ---- caller side (event loop thread) ----
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The request's output budget; raises if it cannot fit the context."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens, "
+                f"and the prompt has {num_prompt_tokens} tokens: no room for output."
+            )
+        if max_tokens is None:
+            return min(self.config.default_max_tokens, room)
+        if max_tokens > room:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {num_prompt_tokens + max_tokens} tokens "
+                f"({num_prompt_tokens} in the prompt, {max_tokens} for the output). "
+                "Please reduce the prompt or max_tokens."
+            )
+        return max_tokens
+
+    def submit(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Queue a request; returns the async stream of its outputs.
+
+        Raises at once (before any compute) for an empty or too long prompt,
+        a full queue or a dead engine.
+        """
+        if not self.alive:
+            raise EngineDeadError(self.fatal_error or "engine is not running")
+        if not request.prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = self.loaded.config.get("vocab_size")
+        if vocab and any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        max_tokens = self.check_length(len(request.prompt_token_ids), request.params.max_tokens)
+        if len(self._streams) >= self.config.max_num_seqs + self.config.max_queue:
+            raise QueueFullError(
+                f"{len(self._streams)} requests are in flight and the queue is full; retry later"
+            )
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request)
+        self._streams[request.request_id] = stream
+        self._commands.put(("add", (request, max_tokens)))
+        return self._outputs(stream)
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self._commands.put(("abort", request_id))
+
+    async def _outputs(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        request = stream.request
+        params = request.params
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopStringMatcher(params.stop)
+        completion_tokens = 0
+        first_token_time = None
+        done = False
+        try:
+            while not done:
+                for item in await stream.queue.get():
+                    if isinstance(item, _Failure):
+                        done = True
+                        raise EngineError(item.message)
+                    completion_tokens += 1
+                    if first_token_time is None:
+                        first_token_time = item.time - request.arrival_time
+                    finish, stop_reason = item.finish_reason, None
+                    text = "" if item.is_stop_token else detok.add([item.token])
+                    if finish:
+                        text += detok.flush()
+                        stop_reason = item.token if item.is_stop_token else None
+                    text, stop_string = stops.feed(text)
+                    if stop_string is not None:
+                        finish, stop_reason = "stop", stop_string
+                    elif finish:
+                        text += stops.flush()
+                    logprobs = None
+                    if params.logprobs:
+                        logprobs = [TokenLogprob(item.token, item.logprob, item.top)]
+                    yield RequestOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[item.token],
+                        new_text=text,
+                        finish_reason=finish,
+                        logprobs=logprobs,
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=completion_tokens,
+                        cached_tokens=item.cached_tokens,
+                        first_token_time=first_token_time,
+                        stop_reason=stop_reason,
+                    )
+                    if finish:
+                        done = True
+                        break
+        finally:
+            if self._streams.get(request.request_id) is stream:
+                if done:
+                    self._streams.pop(request.request_id, None)
+                    self._commands.put(("abort", request.request_id))  # no-op if it already ended
+                else:
+                    self.abort(request.request_id)
+
+    # ---- MLX thread ----
+    def _run(self) -> None:
+        try:
+            from mlxserve.engine.runner import Runner
+            from mlxserve.engine.scheduler import Scheduler
+
+            cfg = self.config
+            runner = Runner(
+                self.loaded.model,
+                max_num_seqs=cfg.max_num_seqs,
+                prefill_chunk_size=cfg.prefill_chunk_size,
+                prefill_batch_size=cfg.prefill_batch_size,
+                solo_fast_path=cfg.solo_fast_path,
+            )
+            scheduler = Scheduler(
+                runner,
+                eos_token_ids=self.tokenizer.eos_token_ids,
+                vocab_size=self.loaded.config.get("vocab_size") or 0,
+                max_num_seqs=cfg.max_num_seqs,
+            )
+        except Exception as e:  # noqa: BLE001 - reported to start()
+            self.fatal_error = f"engine failed to start: {e!r}"
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(scheduler)
+        except Exception:  # noqa: BLE001 - a bug in the loop itself
+            self.fatal_error = "engine loop crashed:\n" + traceback.format_exc()
+            log.error(self.fatal_error)
+            self._fail_all("engine loop crashed")
+
+    def _loop(self, scheduler) -> None:
+        while True:
+            outbox: dict[str, list] = {}
+            block = not scheduler.has_work()
+            commands = []
+            if block:  # idle: sleep until a command arrives (wake now and then)
+                try:
+                    commands.append(self._commands.get(timeout=0.5))
+                except queue.Empty:
+                    pass
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for kind, arg in commands:
+                if kind == "stop":
+                    self._fail_all("engine stopped")
+                    return
+                if kind == "abort":
+                    scheduler.abort(arg)
+                elif kind == "add":
+                    request, max_tokens = arg
+                    try:
+                        scheduler.add(request, max_tokens)
+                    except Exception as e:  # noqa: BLE001 - fail this request only
+                        outbox.setdefault(request.request_id, []).append(_Failure(f"{e}"))
+            try:
+                events = scheduler.step()
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                log.exception("engine step failed")
+                for seq in scheduler.runner.reset():
+                    outbox.setdefault(seq.request_id, []).append(_Failure(f"engine step failed: {e!r}"))
+                events = []
+            now = time.perf_counter()
+            for ev in events:
+                outbox.setdefault(ev.seq.request_id, []).append(
+                    _Token(ev.token, ev.finish_reason,
+                           ev.finish_reason == "stop" and ev.token in ev.seq.stop_ids,
+                           ev.logprob, ev.top, ev.seq.cached_tokens, now)
+                )
+            self.num_running = scheduler.num_running
+            self.num_waiting = len(scheduler.waiting)
+            self.steps += 1
+            self.last_step_time = time.monotonic()
+            if outbox:
+                self._publish(outbox)
+            if self.on_step is not None:
+                self.on_step(self)
+
+    def _publish(self, outbox: dict[str, list]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, items in outbox.items():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, items))
+        for loop, deliveries in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, deliveries)
+            except RuntimeError:
+                pass  # that caller's loop is closed; its requests are gone
+
+    def _fail_all(self, message: str) -> None:
+        self._publish({rid: [_Failure(message)] for rid in list(self._streams)})
+
+
+def _deliver(deliveries) -> None:
+    for q, items in deliveries:
+        q.put_nowait(items)

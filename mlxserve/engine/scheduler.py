@@ -1,0 +1,62 @@
+"""Admission and aborts: which requests run, which wait.
+
+Runs on the MLX thread. Requests wait in arrival order until the runner has a
+free slot (`max_num_seqs`); an aborted request leaves wherever it is at the
+next step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from mlxserve.engine.request import Request
+from mlxserve.engine.runner import Runner, Sequence, TokenEvent
+from mlxserve.engine.sampling import make_processors, make_sampler, make_stop_sequences, stop_token_ids
+
+
+class Scheduler:
+    def __init__(self, runner: Runner, *, eos_token_ids, vocab_size: int, max_num_seqs: int):
+        self.runner = runner
+        self.eos_token_ids = set(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or len(self.runner) > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.runner)
+
+    def add(self, request: Request, max_tokens: int) -> None:
+        """Queue a request. Raises if its sampling settings can't be built."""
+        params = request.params
+        stop_ids = stop_token_ids(params, self.eos_token_ids)
+        self.waiting.append(
+            Sequence(
+                request=request,
+                max_tokens=max_tokens,
+                sampler=make_sampler(params, self.vocab_size),
+                processors=make_processors(params),
+                stop_ids=stop_ids,
+                stop_sequences=make_stop_sequences(stop_ids),
+            )
+        )
+
+    def abort(self, request_id: str) -> bool:
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return True
+        for seq in self.runner.sequences:
+            if seq.request_id == request_id:
+                self.runner.remove(seq)
+                return True
+        return False
+
+    def step(self) -> list[TokenEvent]:
+        events = []
+        while self.waiting and len(self.runner) < self.max_num_seqs:
+            events += self.runner.add(self.waiting.popleft())
+        return events + self.runner.step()

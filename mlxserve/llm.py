@@ -1,0 +1,122 @@
+"""Offline Python API: `LLM(model).generate(prompts, params)` and `LLM.chat`.
+
+It runs the same AsyncEngine as the server, so a batch of prompts is decoded
+with continuous batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from mlxserve.config import EngineConfig, ModelConfig, split_kwargs
+from mlxserve.engine.engine import AsyncEngine
+from mlxserve.engine.request import Request, SamplingParams, TokenLogprob
+
+
+@dataclass
+class CompletionOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None
+    time_to_first_token: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def render_chat(tokenizer, messages: list[dict], *, tools=None, chat_template_kwargs=None,
+                add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation rendered with the model's own chat template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model has no chat template; use a plain completion prompt")
+    kwargs = dict(chat_template_kwargs or {})
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+async def collect(stream, prompt_tokens: int) -> CompletionOutput:
+    out = CompletionOutput("", [], None, prompt_tokens)
+    texts = []
+    async for step in stream:
+        texts.append(step.new_text)
+        out.token_ids += step.new_token_ids
+        if step.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + step.logprobs
+        out.finish_reason = step.finish_reason
+        out.cached_tokens = step.cached_tokens
+        out.stop_reason = step.stop_reason
+        out.time_to_first_token = step.first_token_time
+    out.text = "".join(texts)
+    return out
+
+
+class LLM:
+    """Load a model and generate from it in-process.
+
+    Keyword arguments are the settings of `mlxserve.config` (ModelConfig and
+    EngineConfig), e.g. `LLM("qwen3-0.6b", load_format="dummy", max_num_seqs=8)`.
+    """
+
+    def __init__(self, model: str | None = None, **settings):
+        from mlxserve.models.load import load
+
+        model_cfg, engine_cfg = split_kwargs({"model": model, **settings}, ModelConfig, EngineConfig)
+        self.loaded = load(
+            model_cfg.model,
+            load_format=model_cfg.load_format,
+            dtype=model_cfg.dtype,
+            quantize_bits=model_cfg.quantize,
+            seed=model_cfg.seed,
+        )
+        self.tokenizer = self.loaded.tokenizer
+        self.engine = AsyncEngine(self.loaded, engine_cfg).start()
+
+    def close(self) -> None:
+        self.engine.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _run(self, prompts: list[list[int]], params) -> list[CompletionOutput]:
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("params: give one SamplingParams, or one per prompt")
+
+        async def run_all():
+            streams = [
+                self.engine.submit(Request(list(ids), p)) for ids, p in zip(prompts, params)
+            ]
+            return await asyncio.gather(*(collect(s, len(ids)) for s, ids in zip(streams, prompts)))
+
+        return asyncio.run(run_all())
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[CompletionOutput]:
+        """Complete each prompt (a string or a list of token ids)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = [
+            p if not isinstance(p, str) else self.tokenizer.encode(p) for p in prompts
+        ]
+        return self._run(token_lists, params)
+
+    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, *,
+             tools=None, chat_template_kwargs=None) -> list[CompletionOutput]:
+        """Answer one conversation (a list of messages) or several."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [
+            render_chat(self.tokenizer, c, tools=tools, chat_template_kwargs=chat_template_kwargs)
+            for c in conversations
+        ]
+        return self._run(token_lists, params)
