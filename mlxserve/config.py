@@ -86,8 +86,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser, *config_classes) -> None:
-    """Add one flag per setting of the given config dataclasses."""
+def add_arguments(parser: argparse.ArgumentParser, *config_classes, positional: bool = True) -> None:
+    """Add one flag per setting of the given config dataclasses.
+
+    With positional=False, settings marked positional (the model) become
+    options too, for commands whose own positional argument is a prompt.
+    """
     for cls in config_classes:
         for f in dataclasses.fields(cls):
             meta = f.metadata
@@ -102,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser, *config_classes) -> None:
                 )
                 continue
             kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
-            if meta.get("positional"):
+            if meta.get("positional") and positional:
                 parser.add_argument(f.name, nargs="?", default=default, type=kind, **kwargs)
             else:
                 parser.add_argument(_flag(f.name), dest=f.name, default=default, type=kind, **kwargs)

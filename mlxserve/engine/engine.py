@@ -75,7 +75,7 @@ class AsyncEngine:
         self.fatal_error: str | None = None
         self.num_running = 0
         self.num_waiting = 0
-        self.steps = 0
+        self.steps = 0  # engine steps that had work
         self.last_step_time = time.monotonic()
         self.on_step = None  # optional callback(engine) after each step, for metrics
 
@@ -259,13 +259,16 @@ class AsyncEngine:
                         scheduler.add(request, max_tokens)
                     except Exception as e:  # noqa: BLE001 - fail this request only
                         outbox.setdefault(request.request_id, []).append(_Failure(f"{e}"))
-            try:
-                events = scheduler.step()
-            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
-                log.exception("engine step failed")
-                for seq in scheduler.runner.reset():
-                    outbox.setdefault(seq.request_id, []).append(_Failure(f"engine step failed: {e!r}"))
-                events = []
+            events = []
+            if scheduler.has_work():
+                try:
+                    events = scheduler.step()
+                except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                    log.exception("engine step failed")
+                    for seq in scheduler.runner.reset():
+                        outbox.setdefault(seq.request_id, []).append(
+                            _Failure(f"engine step failed: {e!r}"))
+                self.steps += 1
             now = time.perf_counter()
             for ev in events:
                 outbox.setdefault(ev.seq.request_id, []).append(
@@ -275,7 +278,6 @@ class AsyncEngine:
                 )
             self.num_running = scheduler.num_running
             self.num_waiting = len(scheduler.waiting)
-            self.steps += 1
             self.last_step_time = time.monotonic()
             if outbox:
                 self._publish(outbox)

@@ -1,0 +1,9 @@
+"""Benchmarks: `mlxserve bench engine | serve`."""
+
+
+def add_bench_parsers(parser) -> None:
+    from mlxserve.bench import engine, serve
+
+    sub = parser.add_subparsers(dest="bench", required=True)
+    engine.add_parser(sub)
+    serve.add_parser(sub)

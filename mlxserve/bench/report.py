@@ -1,0 +1,78 @@
+"""Where a benchmark's numbers go: a table on stdout, markdown + PNG under benchmarks/.
+
+Every result records the commit, the machine and the MLX backend it was
+measured on, so numbers from different places are never mixed up.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True, cwd=Path(__file__).parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, cwd=Path(__file__).parent).stdout
+        return out.stdout.strip() + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> dict:
+    import mlx.core as mx
+
+    from mlxserve import _blas
+
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gb = 0
+    device = mx.default_device()
+    info = {
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "memory_gb": round(mem_gb, 1),
+        "mlx": mx.__version__,
+        "device": str(device),
+    }
+    if device.type == mx.gpu:
+        info["backend"] = "cuda" if mx.cuda.is_available() else "metal"
+        try:
+            info["gpu"] = mx.device_info().get("device_name", "")
+        except Exception:  # noqa: BLE001 - informational only
+            pass
+    else:
+        info["backend"] = "cpu"
+        info["blas"] = _blas.openblas_path or "bundled reference BLAS (slow)"
+    return info
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        return f"{v:,.1f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def result_path(kind: str, backend: str, out_dir: str | Path = "benchmarks") -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
+    path = Path(out_dir) / f"{kind}-{backend}-{stamp}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def header(title: str, info: dict, command: str) -> str:
+    lines = [f"# {title}", "", f"- commit: `{commit()}`",
+             f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+             f"- command: `{command}`"]
+    lines += [f"- {k}: {v}" for k, v in info.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,101 @@
+"""`mlxserve serve | generate | chat | shapes | bench` — parses, builds config, calls in."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import mlxserve  # noqa: F401 - preloads OpenBLAS before anything imports MLX
+from mlxserve.config import EngineConfig, ModelConfig, ServerConfig, add_arguments, from_namespace
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256, help="Output tokens at most.")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy.")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def _sampling(ns):
+    from mlxserve import SamplingParams
+
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
+                          top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed)
+
+
+def _llm(ns):
+    from mlxserve import LLM
+
+    model_cfg = from_namespace(ModelConfig, ns)
+    engine_cfg = from_namespace(EngineConfig, ns)
+    return LLM(model_cfg.model, load_format=model_cfg.load_format, dtype=model_cfg.dtype,
+               quantize=model_cfg.quantize, seed=model_cfg.seed, **vars(engine_cfg))
+
+
+def cmd_serve(ns) -> int:
+    from mlxserve.api.server import serve
+
+    return serve(from_namespace(ModelConfig, ns), from_namespace(EngineConfig, ns),
+                 from_namespace(ServerConfig, ns))
+
+
+def cmd_generate(ns) -> int:
+    with _llm(ns) as llm:
+        out = llm.generate(ns.prompt, _sampling(ns))[0]
+    print(out.text)
+    return 0
+
+
+def cmd_chat(ns) -> int:
+    with _llm(ns) as llm:
+        out = llm.chat([{"role": "user", "content": ns.message}], _sampling(ns))[0]
+    print(out.text)
+    return 0
+
+
+def cmd_shapes(ns) -> int:
+    from mlxserve.models.dummy import list_shapes
+
+    for name, description in list_shapes():
+        print(f"{name:20s} {description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="Serve a model over the OpenAI and Anthropic HTTP APIs.")
+    add_arguments(p, ModelConfig, EngineConfig, ServerConfig)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="Complete a prompt and print the text.")
+    p.add_argument("prompt", help="The prompt text.")
+    add_arguments(p, ModelConfig, EngineConfig, positional=False)
+    _sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="Send one chat message (with the model's chat template) and print the answer.")
+    p.add_argument("message")
+    add_arguments(p, ModelConfig, EngineConfig, positional=False)
+    _sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("shapes", help="List the named model shapes for --load-format dummy.")
+    p.set_defaults(func=cmd_shapes)
+
+    p = sub.add_parser("bench", help="Benchmarks: engine, serve.")
+    from mlxserve.bench import add_bench_parsers
+
+    add_bench_parsers(p)
+    return parser
+
+
+def main(argv=None) -> int:
+    ns = build_parser().parse_args(argv)
+    return ns.func(ns) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

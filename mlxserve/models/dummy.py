@@ -1,0 +1,292 @@
+"""Random-weight models of real architectures, for benchmarks and tests.
+
+Every shape uses the default model's vocabulary (Qwen2.5, 151936 rows) so
+the default model's tokenizer works with all of them, offline. The real-size
+shapes keep their published hyperparameters otherwise.
+"""
+
+import copy
+import json
+import math
+import zlib
+from pathlib import Path
+
+# Logit standard deviation the output layer is scaled to. Random models have
+# nearly flat logits, where greedy argmax flips on rounding noise (e.g. batched
+# vs unbatched runs). With std 12 over 151936 tokens the top-1/top-2 gap is
+# about 2.5 on average, and below 1e-3 about once in 2500 steps.
+LOGIT_STD = 12.0
+
+QWEN_VOCAB = 151936
+
+SHAPES = {
+    "qwen3-0.6b": {
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "intermediate_size": 3072,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": QWEN_VOCAB,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+    },
+    "qwen3-4b": {
+        "model_type": "qwen3",
+        "hidden_size": 2560,
+        "num_hidden_layers": 36,
+        "intermediate_size": 9728,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": QWEN_VOCAB,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+    },
+    "llama-3.2-1b": {
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "intermediate_size": 8192,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": QWEN_VOCAB,  # real: 128256
+        "rope_theta": 500_000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+    },
+    "gemma3-270m": {
+        "model_type": "gemma3_text",
+        "hidden_size": 640,
+        "num_hidden_layers": 18,
+        "intermediate_size": 2048,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": QWEN_VOCAB,  # real: 262144
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,  # 5 local layers, then 1 global
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+    },
+    # Tiny shapes for tests: untied output layer, so the next token depends
+    # on the context and not mostly on the current token's own embedding.
+    "llama-tiny": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": QWEN_VOCAB,
+        "rope_theta": 10_000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "qwen2-tiny": {
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": QWEN_VOCAB,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "qwen3-tiny": {
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": QWEN_VOCAB,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "gemma3-tiny": {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": QWEN_VOCAB,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "sliding_window": 16,
+        "sliding_window_pattern": 4,  # layers 0-2 local (window 16), layer 3 global
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+}
+
+DESCRIPTIONS = {
+    "qwen3-0.6b": "Qwen3-0.6B",
+    "qwen3-4b": "Qwen3-4B",
+    "llama-3.2-1b": "Llama-3.2-1B (Qwen vocabulary)",
+    "gemma3-270m": "Gemma-3-270M (Qwen vocabulary)",
+    "llama-tiny": "tiny Llama for tests",
+    "qwen2-tiny": "tiny Qwen2 (attention biases) for tests",
+    "qwen3-tiny": "tiny Qwen3 for tests",
+    "gemma3-tiny": "tiny Gemma 3, sliding window 16 on 3 of 4 layers, for tests",
+}
+
+
+def list_shapes() -> list[tuple[str, str]]:
+    """(name, description) of every named shape, for `mlxserve shapes`."""
+    rows = []
+    for name, c in SHAPES.items():
+        extra = ""
+        if "sliding_window" in c:
+            extra = f", sliding window {c['sliding_window']}"
+        rows.append(
+            (
+                name,
+                f"{DESCRIPTIONS[name]}: {c['model_type']}, ~{param_count(c) / 1e6:,.0f}M params, "
+                f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
+                f"{c['num_attention_heads']}/{c['num_key_value_heads']} q/kv heads{extra}",
+            )
+        )
+    return rows
+
+
+def param_count(c: dict) -> int:
+    h, v, i = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
+    d = c.get("head_dim") or h // c["num_attention_heads"]
+    attn = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    per_layer = attn + 3 * h * i
+    return c["num_hidden_layers"] * per_layer + v * h * (1 if c.get("tie_word_embeddings", True) else 2)
+
+
+def resolve_config(config_or_shape) -> dict:
+    """A named shape, a config dict, or a path to config.json (or its folder)."""
+    if isinstance(config_or_shape, dict):
+        return copy.deepcopy(config_or_shape)
+    if config_or_shape in SHAPES:
+        return copy.deepcopy(SHAPES[config_or_shape])
+    path = Path(config_or_shape).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        # Real weights' quantization does not apply to random ones.
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+        return config
+    raise KeyError(config_or_shape)
+
+
+def uniform(seed: int, name: str, shape, std: float):
+    """Random weights for one parameter, keyed by (seed, name) so they do not
+    depend on parameter order. Uniform, not normal: numpy draws it ~10x
+    faster, which matters for multi-billion-parameter shapes, and the sums
+    a layer computes are near-normal either way."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, zlib.crc32(name.encode())])
+    half_width = std * math.sqrt(3)
+    return mx.array(rng.random(shape, dtype=np.float32)) * (2 * half_width) - half_width
+
+
+def init_weights(model, config: dict, seed: int, dtype) -> dict:
+    """Deterministic random weights, scaled so activations stay O(1) and logits are peaked."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    hidden = config["hidden_size"]
+    tied = config.get("tie_word_embeddings", True)
+    # Gemma multiplies embeddings by sqrt(hidden) and its norms by (1 + w).
+    gemma = config["model_type"].startswith("gemma")
+    out_std = LOGIT_STD / math.sqrt(hidden)
+    embed_std = out_std if tied else (1 / math.sqrt(hidden) if gemma else 1.0)
+    weights = {}
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("embed_tokens.weight"):
+            w = uniform(seed, name, p.shape, embed_std)
+        elif name.endswith("lm_head.weight"):
+            w = uniform(seed, name, p.shape, out_std)
+        elif p.ndim >= 2:
+            w = uniform(seed, name, p.shape, 1 / math.sqrt(math.prod(p.shape[1:])))
+        elif name.endswith(".bias"):
+            w = uniform(seed, name, p.shape, 0.1)
+        elif "norm" in name:
+            w = mx.zeros(p.shape) if gemma else mx.ones(p.shape)
+        else:
+            w = p  # other 1-D parameters (recurrent decay rates etc.): the class's own init
+        # Evaluate one at a time so peak memory stays one model in `dtype`.
+        weights[name] = w.astype(dtype) if mx.issubdtype(w.dtype, mx.floating) else w
+        mx.eval(weights[name])
+    return weights
+
+
+def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int | None = None, seed: int = 0):
+    """An mlx-lm model with random weights: (model, config).
+
+    `config_or_shape` is a name from `SHAPES`, a config dict in mlx-lm's
+    config.json format, or a path to a config.json (or a folder holding one).
+    Weights are a pure function of (config, seed). `quantize_bits` (4 or 8)
+    quantizes linear and embedding layers with group size 64, as mlx-lm does.
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes
+
+    config = resolve_config(config_or_shape)
+    if dtype is None:
+        from mlxserve.models.embedded import default_dtype
+
+        dtype = default_dtype()
+    if quantize_bits not in (None, 4, 8):
+        raise ValueError(f"quantize_bits must be 4 or 8, not {quantize_bits}")
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    weights = init_weights(model, config, seed, getattr(mx, dtype))
+    if config.get("tie_word_embeddings", True):
+        weights.pop("lm_head.weight", None)
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    model.load_weights(list(weights.items()))
+    if quantize_bits:
+        group_size = 64
+        nn.quantize(
+            model,
+            group_size=group_size,
+            bits=quantize_bits,
+            class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0,
+        )
+        config["quantization"] = {"group_size": group_size, "bits": quantize_bits, "mode": "affine"}
+        config["quantization_config"] = config["quantization"]
+    model.eval()
+    mx.eval(model.parameters())
+    return model, config

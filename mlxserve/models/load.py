@@ -1,0 +1,238 @@
+"""One entry point for every kind of model source."""
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxserve.models.cache import ModelLoadError
+
+DEFAULT_CONTEXT_LENGTH = 4096
+# Files a model folder needs; Hugging Face downloads fetch only these.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # an mlx-lm model (mlx.nn.Module)
+    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    fingerprint: str  # stable hex id of weights + quantization + dtype
+    name: str  # the name to serve it under
+    context_length: int  # most tokens of prompt + output
+    config: dict
+    source: str  # what the user passed
+
+
+def load(
+    source: str | None = None,
+    *,
+    load_format: str = "auto",
+    dtype: str | None = None,
+    quantize_bits: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a model from a built-in name, MLX folder, .gguf file or Hugging Face repo id.
+
+    With `load_format="dummy"`, `source` is a named shape (see
+    `mlxserve.models.dummy.SHAPES`) or a config.json (or its folder), and the
+    weights are random (`seed`). `dtype` applies to converted and dummy
+    models, and casts a folder's unquantized weights when given.
+    `quantize_bits` (4 or 8) quantizes unquantized weights.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if quantize_bits not in (None, 4, 8):
+        raise ValueError(f"quantize_bits must be 4 or 8, not {quantize_bits}")
+    if load_format == "dummy":
+        return load_dummy(source or "qwen3-0.6b", dtype, quantize_bits, seed)
+    if load_format != "auto":
+        raise ValueError(f"load_format must be 'auto' or 'dummy', not {load_format!r}")
+
+    from mlxserve.models.embedded import BUILTINS, builtin_model_dir, default_dtype
+
+    key = "default" if source in (None, "") else source
+    if key in BUILTINS:
+        folder = builtin_model_dir(key, dtype=dtype, progress=progress)
+        return load_folder(folder, BUILTINS[key].name, key, None, quantize_bits)
+
+    path = Path(source).expanduser()
+    if source.lower().endswith(".gguf"):
+        from mlxserve.models.gguf import convert_gguf_cached
+
+        if not path.is_file():
+            raise ModelLoadError(f"{source}: no such GGUF file")
+        folder = convert_gguf_cached(path, dtype=dtype or default_dtype(), progress=progress)
+        return load_folder(folder, path.name.removesuffix(".gguf"), source, None, quantize_bits)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{source}: the folder has no config.json, so it is not an MLX model folder")
+        return load_folder(path, path.resolve().name, source, dtype, quantize_bits)
+
+    tried = [
+        f"not a folder ({path.resolve()} does not exist)",
+        "not a .gguf file",
+        f"not a built-in name ({', '.join(BUILTINS)})",
+    ]
+    from mlxserve.models.dummy import SHAPES
+
+    if source in SHAPES:
+        tried.append(f"{source!r} is a dummy shape: pass load_format='dummy' (--load-format dummy) for it")
+    folder = hub_download(source, tried, progress)
+    return load_folder(folder, source, source, dtype, quantize_bits)
+
+
+def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxserve.models.dummy import SHAPES, build_dummy, resolve_config
+    from mlxserve.models.embedded import default_dtype, default_tokenizer_dir
+
+    try:
+        config = resolve_config(source)
+    except KeyError:
+        raise ModelLoadError(
+            f"{source}: not a named shape ({', '.join(SHAPES)}) nor a config.json or a folder holding one"
+        ) from None
+    dtype = dtype or default_dtype()
+    model, config = build_dummy(config, dtype=dtype, quantize_bits=quantize_bits, seed=seed)
+    blob = json.dumps({"config": config, "seed": seed, "dtype": dtype, "bits": quantize_bits}, sort_keys=True)
+    name = source if source in SHAPES else Path(source).resolve().with_suffix("").name
+    if name == "config":
+        name = Path(source).resolve().parent.name
+    return LoadedModel(
+        model=model,
+        tokenizer=load_tokenizer(default_tokenizer_dir()),
+        fingerprint=hashlib.sha256(b"dummy\0" + blob.encode()).hexdigest(),
+        name=name,
+        context_length=context_length(config),
+        config=config,
+        source=source,
+    )
+
+
+def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits) -> LoadedModel:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    folder = Path(folder)
+    try:
+        model, config = load_model(folder)
+        tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"{source}: cannot load the model folder {folder}: {e}") from e
+    quantized = "quantization" in config
+    if dtype is not None and not quantized:
+        model.set_dtype(getattr(mx, dtype))
+    if quantize_bits and not quantized:
+        nn.quantize(
+            model,
+            group_size=64,
+            bits=quantize_bits,
+            class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0,
+        )
+        config["quantization"] = {"group_size": 64, "bits": quantize_bits, "mode": "affine"}
+    mx.eval(model.parameters())
+    weight_dtype = str(next(v.dtype for _, v in _flat(model) if mx.issubdtype(v.dtype, mx.floating)))
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        fingerprint=folder_fingerprint(folder, weight_dtype, config.get("quantization")),
+        name=name,
+        context_length=context_length(config),
+        config=config,
+        source=source,
+    )
+
+
+def _flat(model):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())
+
+
+def context_length(config: dict) -> int:
+    for c in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+            if isinstance(c.get(key), int) and c[key] > 0:
+                return c[key]
+    return DEFAULT_CONTEXT_LENGTH
+
+
+def folder_fingerprint(folder: Path, dtype: str, quantization) -> str:
+    """Hash of what determines the weights, cheap even for large folders.
+
+    A folder converted from a GGUF records the file's sha256. Otherwise:
+    config.json, and per weight file its name, size, mtime, safetensors
+    header (tensor names, shapes, offsets) and 16 evenly spaced 64 KiB
+    samples of the data. Stable across restarts; any re-write of a weight
+    file changes its mtime and so the fingerprint.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps({"dtype": dtype, "quantization": quantization}, sort_keys=True).encode())
+    source = folder / "mlxserve_source.json"
+    if source.is_file() and json.loads(source.read_text()).get("sha256"):
+        info = json.loads(source.read_text())
+        h.update(f"gguf\0{info['sha256']}\0{info['dtype']}".encode())
+        return h.hexdigest()
+    h.update((folder / "config.json").read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        st = path.stat()
+        h.update(f"\0{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(f.read(min(header_len, 100_000_000)))
+            for i in range(16):
+                f.seek(st.st_size * i // 16)
+                h.update(f.read(1 << 16))
+    return h.hexdigest()
+
+
+def hub_download(repo_id: str, tried: list[str], progress: bool) -> Path:
+    """snapshot_download that fails fast and says what to do when the hub is unreachable."""
+    import huggingface_hub
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        validate_repo_id,
+    )
+
+    def fail(reason: str):
+        return ModelLoadError(f"Cannot load model {repo_id!r}: " + "; ".join(tried + [reason]))
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise fail(f"not a Hugging Face repo id ({e})") from None
+
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import; read it now.
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    advice = (
+        "Download it on a machine with internet access (e.g. `hf download "
+        f"{repo_id}`), copy the folder here and pass its path, or run without a model "
+        "argument to use the built-in default model."
+    )
+    if not progress:
+        huggingface_hub.utils.disable_progress_bars()
+    try:
+        path = snapshot_download(
+            repo_id, allow_patterns=HUB_PATTERNS, local_files_only=offline, etag_timeout=5
+        )
+    except (RepositoryNotFoundError, GatedRepoError) as e:
+        raise fail(f"Hugging Face hub: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face hub is unreachable"
+        raise fail(f"hub lookup failed: {why} and it is not in the local Hugging Face cache. {advice}") from None
+    except Exception as e:  # network errors come from httpx/requests, whichever is installed
+        raise fail(f"hub lookup failed ({type(e).__name__}: {e}). {advice}") from None
+    finally:
+        if not progress:
+            huggingface_hub.utils.enable_progress_bars()
+    return Path(path)

@@ -1,0 +1,189 @@
+"""The engine: batching must never change a request's tokens, sampling is per request."""
+
+import asyncio
+
+import pytest
+
+from mlxserve.config import EngineConfig
+from mlxserve.engine.engine import AsyncEngine
+from mlxserve.engine.request import EngineError, PromptTooLongError, Request, SamplingParams
+
+ARCHS = ["llama-tiny", "qwen3-tiny", "gemma3-tiny"]
+
+
+def greedy(n=10):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+async def tokens_of(engine, prompt, params):
+    out = []
+    async for step in engine.submit(Request(list(prompt), params)):
+        out += step.new_token_ids
+        last = step
+    return out, last
+
+
+async def run_all(engine, prompts, params):
+    return await asyncio.gather(*(tokens_of(engine, p, sp) for p, sp in zip(prompts, params)))
+
+
+def prompts_for(n, base_len=40, step=5):
+    # Longer than gemma3-tiny's 16-token window, different lengths (padding in the batch).
+    return [[(17 * i + 31 * j) % 5000 + 100 for j in range(base_len + step * i)] for i in range(n)]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def engines(request, tiny):
+    loaded = tiny(request.param)
+    solo = AsyncEngine(loaded, EngineConfig(prefill_chunk_size=16)).start()
+    batched = AsyncEngine(loaded, EngineConfig(prefill_chunk_size=16, solo_fast_path=False)).start()
+    yield solo, batched
+    solo.stop()
+    batched.stop()
+
+
+def test_greedy_alone_equals_in_mixed_batch(engines):
+    solo, batched = engines
+    prompts = prompts_for(8)
+    others = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, max_tokens=6 + i,
+                             presence_penalty=0.5, ignore_eos=True) for i in range(7)]
+    alone, _ = asyncio.run(tokens_of(solo, prompts[0], greedy()))
+    in_batch = asyncio.run(run_all(solo, prompts, [greedy()] + others))
+    via_batch_path, _ = asyncio.run(tokens_of(batched, prompts[0], greedy()))
+    assert len(alone) == 10
+    assert in_batch[0][0] == alone
+    assert via_batch_path == alone
+    assert all(len(t) == 6 + i for i, (t, _) in enumerate(in_batch[1:]))
+
+
+def test_seeded_sampling_reproducible_whatever_the_batch(engines):
+    solo, _ = engines
+    prompts = prompts_for(6)
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
+    alone, _ = asyncio.run(tokens_of(solo, prompts[0], seeded))
+    mates = [SamplingParams(temperature=1.2, seed=None, max_tokens=5, ignore_eos=True)] * 5
+    in_batch = asyncio.run(run_all(solo, prompts, [seeded] + mates))
+    reordered = asyncio.run(run_all(solo, prompts[::-1], mates + [seeded]))
+    assert in_batch[0][0] == alone
+    assert reordered[-1][0] == alone
+    other_seed, _ = asyncio.run(tokens_of(solo, prompts[0], SamplingParams(
+        temperature=1.0, seed=99, max_tokens=8, ignore_eos=True)))
+    assert other_seed != alone
+
+
+def test_lone_request_moves_into_batch_without_changing_tokens(engines):
+    solo, _ = engines
+    prompts = prompts_for(4)
+    reference, _ = asyncio.run(tokens_of(solo, prompts[0], greedy(16)))
+    refs = [asyncio.run(tokens_of(solo, p, greedy(6)))[0] for p in prompts[1:]]
+
+    async def scenario():
+        got = []
+        late = []
+        async for step in solo.submit(Request(prompts[0], greedy(16))):
+            got += step.new_token_ids
+            if len(got) == 4:  # others join while the first decodes alone
+                late = [asyncio.create_task(tokens_of(solo, p, greedy(6))) for p in prompts[1:]]
+        return got, [(await t)[0] for t in late]
+
+    got, others = asyncio.run(scenario())
+    assert got == reference
+    assert others == refs
+
+
+def test_abort_frees_the_slot(tiny):
+    engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig()).start()
+    try:
+        async def scenario():
+            stream = engine.submit(Request(prompts_for(1)[0], greedy(2000)))
+            async for step in stream:
+                if step.completion_tokens >= 3:
+                    break
+            await stream.aclose()
+            for _ in range(100):
+                if engine.num_running == 0:
+                    return True
+                await asyncio.sleep(0.05)
+            return False
+
+        assert asyncio.run(scenario())
+    finally:
+        engine.stop()
+
+
+def test_logprobs_are_consistent_with_the_chosen_tokens(tiny):
+    engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig()).start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=5)
+        tokens, _ = asyncio.run(tokens_of(engine, prompts_for(1)[0], params))
+
+        async def collect():
+            return [s async for s in engine.submit(Request(prompts_for(1)[0], params))]
+
+        steps = asyncio.run(collect())
+        for step in steps:
+            (lp,) = step.logprobs
+            assert lp.token_id == step.new_token_ids[0]
+            assert len(lp.top) == 5
+            assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+            assert lp.top[0][0] == lp.token_id  # greedy picks the most likely token
+            assert lp.logprob == pytest.approx(lp.top[0][1], abs=1e-5)
+            assert lp.logprob <= 0
+        assert [s.new_token_ids[0] for s in steps] == tokens
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_logprobs", 21),
+    ("max_tokens", 0), ("min_p", 1.0), ("top_k", -1), ("presence_penalty", 3.0),
+])
+def test_invalid_sampling_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_prompt_over_context_is_refused_before_compute(tiny):
+    engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig(max_model_len=64)).start()
+    try:
+        async def submit(prompt, n):
+            return engine.submit(Request(prompt, SamplingParams(max_tokens=n)))
+
+        with pytest.raises(PromptTooLongError, match="maximum context length is 64"):
+            asyncio.run(submit(list(range(100, 200)), 4))
+        with pytest.raises(PromptTooLongError):
+            asyncio.run(submit(list(range(100, 150)), 20))
+        assert engine.steps == 0
+    finally:
+        engine.stop()
+
+
+def test_engine_error_fails_the_batch_and_keeps_serving(tiny):
+    loaded = tiny("llama-tiny")
+
+    class Flaky:
+        """The model, but its next call raises once."""
+
+        def __init__(self, model):
+            self.model, self.fail = model, False
+
+        def __call__(self, *args, **kwargs):
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("injected failure")
+            return self.model(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+    flaky = Flaky(loaded.model)
+    engine = AsyncEngine(type(loaded)(**{**loaded.__dict__, "model": flaky}), EngineConfig()).start()
+    try:
+        flaky.fail = True
+        with pytest.raises(EngineError, match="injected failure"):
+            asyncio.run(tokens_of(engine, prompts_for(1)[0], greedy(4)))
+        tokens, last = asyncio.run(tokens_of(engine, prompts_for(1)[0], greedy(4)))
+        assert len(tokens) == 4 and last.finish_reason == "length"
+        assert engine.alive
+    finally:
+        engine.stop()
