@@ -30,7 +30,7 @@ def _llm(ns):
     model_cfg = from_namespace(ModelConfig, ns)
     engine_cfg = from_namespace(EngineConfig, ns)
     return LLM(model_cfg.model, load_format=model_cfg.load_format, dtype=model_cfg.dtype,
-               quantize=model_cfg.quantize, seed=model_cfg.seed, **vars(engine_cfg))
+               quantize=model_cfg.quantize, dummy_seed=model_cfg.dummy_seed, **vars(engine_cfg))
 
 
 def cmd_serve(ns) -> int:

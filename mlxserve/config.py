@@ -37,7 +37,7 @@ class ModelConfig:
     quantize: int | None = setting(
         None, "Quantize dummy weights to this many bits (4 or 8).", choices=(4, 8)
     )
-    seed: int = setting(0, "Seed for dummy weights.")
+    dummy_seed: int = setting(0, "Seed of the random weights of --load-format dummy.")
 
 
 @dataclass

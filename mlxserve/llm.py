@@ -73,7 +73,7 @@ class LLM:
             load_format=model_cfg.load_format,
             dtype=model_cfg.dtype,
             quantize_bits=model_cfg.quantize,
-            seed=model_cfg.seed,
+            seed=model_cfg.dummy_seed,
         )
         self.tokenizer = self.loaded.tokenizer
         self.engine = AsyncEngine(self.loaded, engine_cfg).start()

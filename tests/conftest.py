@@ -23,3 +23,62 @@ def tiny():
 
 def run_async(coro):
     return asyncio.run(coro)
+
+
+# ---- live HTTP servers (tests/test_api.py, tests/test_anthropic.py) ----
+
+
+class LiveServer:
+    """uvicorn serving `create_app` on a free 127.0.0.1 port, in a background thread."""
+
+    def __init__(self, loaded, engine_cfg=None, server_cfg=None):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        from mlxserve.api.server import create_app
+        from mlxserve.config import EngineConfig, ServerConfig
+        from mlxserve.engine.engine import AsyncEngine
+
+        self.engine = AsyncEngine(loaded, engine_cfg or EngineConfig())
+        self.app = create_app(self.engine, loaded, server_cfg or ServerConfig())
+        self.state = self.app.state.mlx
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self.engine.stop()
+
+
+@pytest.fixture(scope="session")
+def server(tiny):
+    """One live server per session: qwen3-tiny with random weights, no API key."""
+    from mlxserve.config import EngineConfig
+
+    live = LiveServer(tiny("qwen3-tiny"), EngineConfig(max_num_seqs=16, max_queue=64))
+    yield live
+    live.close()
+
+
+@pytest.fixture
+def api_key(server):
+    """Turns on --api-key on the shared server for one test (the key is read per request)."""
+    server.state.server_cfg.api_key = "sk-test-key"
+    yield "sk-test-key"
+    server.state.server_cfg.api_key = None

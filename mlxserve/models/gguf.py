@@ -109,7 +109,9 @@ def make_config(md: dict, tensors: dict, path) -> dict:
     model_type, hf_class = ARCHITECTURES[arch]
 
     def get(key, default=None):
-        return md.get(f"{arch}.{key}", default)
+        value = md.get(f"{arch}.{key}", default)
+        # GGUF stores float32: 1e-6 comes back as 9.99999997e-07.
+        return float(f"{value:.7g}") if isinstance(value, float) else value
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
@@ -147,8 +149,8 @@ def make_config(md: dict, tensors: dict, path) -> dict:
             layer_types=[
                 "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
             ],
-            # Local layers use a fixed 10k base; llama.cpp keeps it as a constant too.
-            rope_local_base_freq=10000.0,
+            # Local layers' RoPE base; files that do not state it use Gemma 3's 10k.
+            rope_local_base_freq=float(get("rope.freq_base_swa", 10000.0)),
             # llama.cpp's rule: the 27B model (62 layers) scales queries by
             # hidden/heads, the other sizes by head_dim.
             query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
@@ -374,7 +376,12 @@ def convert_gguf(gguf_path, out_dir, *, dtype: str = "float32", progress: bool =
     reader = open_gguf(gguf_path)
     md = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
-    config = make_config(md, tensors, gguf_path)
+    try:
+        config = make_config(md, tensors, gguf_path)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{gguf_path}: missing or invalid model metadata ({type(e).__name__}: {e})") from e
     arch = md["general.architecture"]
     with atomic_dir(out_dir) as tmp:
         save_tokenizer(md, tmp, gguf_path)
@@ -422,9 +429,13 @@ def convert_gguf_cached(gguf_path, *, dtype: str = "float32", progress: bool = T
         return out  # another process converted it meanwhile
 
 
+def tokenizer_cache_path(sha256: str) -> Path:
+    return cache_dir() / "tokenizers" / sha256[:16]
+
+
 def convert_tokenizer_cached(gguf_path, sha256: str) -> Path:
     """Just the tokenizer of a GGUF (no weights are read), cached by sha256."""
-    out = cache_dir() / "tokenizers" / sha256[:16]
+    out = tokenizer_cache_path(sha256)
     if (out / "tokenizer.json").is_file():
         return out
     md = read_metadata(open_gguf(gguf_path))

@@ -88,7 +88,7 @@ def load(
 def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
     from mlx_lm.utils import load_tokenizer
 
-    from mlxserve.models.dummy import SHAPES, build_dummy, resolve_config
+    from mlxserve.models.dummy import INIT_VERSION, SHAPES, build_dummy, resolve_config
     from mlxserve.models.embedded import default_dtype, default_tokenizer_dir
 
     try:
@@ -99,7 +99,10 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
         ) from None
     dtype = dtype or default_dtype()
     model, config = build_dummy(config, dtype=dtype, quantize_bits=quantize_bits, seed=seed)
-    blob = json.dumps({"config": config, "seed": seed, "dtype": dtype, "bits": quantize_bits}, sort_keys=True)
+    blob = json.dumps(
+        {"config": config, "seed": seed, "dtype": dtype, "bits": quantize_bits, "init": INIT_VERSION},
+        sort_keys=True,
+    )
     name = source if source in SHAPES else Path(source).resolve().with_suffix("").name
     if name == "config":
         name = Path(source).resolve().parent.name
