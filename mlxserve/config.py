@@ -79,6 +79,10 @@ class ServerConfig:
     served_model_name: str | None = setting(
         None, "Model name reported by /v1/models and accepted in requests."
     )
+    max_request_bytes: int = setting(32 * 1024 * 1024, "Largest request body accepted (HTTP 413 beyond).")
+    shutdown_timeout: float = setting(
+        20.0, "On SIGINT/SIGTERM, seconds in-flight requests get to finish before they are ended."
+    )
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
 
 

@@ -111,6 +111,25 @@ def test_abort_frees_the_slot(tiny):
         engine.stop()
 
 
+def test_abort_ends_the_stream_of_a_waiting_reader(tiny):
+    engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig()).start()
+    try:
+        async def scenario():
+            request = Request(prompts_for(1)[0], greedy(2000))
+            steps = []
+            async for step in engine.submit(request):
+                steps.append(step)
+                if len(steps) == 2:
+                    engine.abort(request.request_id)
+            return steps
+
+        steps = asyncio.run(asyncio.wait_for(scenario(), 60))
+        assert steps[-1].finish_reason == "abort"
+        assert len(steps) < 50
+    finally:
+        engine.stop()
+
+
 def test_logprobs_are_consistent_with_the_chosen_tokens(tiny):
     engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig()).start()
     try:

@@ -55,6 +55,9 @@ class _Failure:
     message: str
 
 
+_ABORTED = object()  # put in a stream's queue by abort()
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -77,7 +80,6 @@ class AsyncEngine:
         self.num_waiting = 0
         self.steps = 0  # engine steps that had work
         self.last_step_time = time.monotonic()
-        self.on_step = None  # optional callback(engine) after each step, for metrics
 
     # ---- lifetime ----
     def start(self) -> "AsyncEngine":
@@ -144,8 +146,14 @@ class AsyncEngine:
         return self._outputs(stream)
 
     def abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
+        """Free the request's slot at the next step; its stream ends with finish_reason "abort"."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
             self._commands.put(("abort", request_id))
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, [_ABORTED])
+            except RuntimeError:
+                pass  # the caller's loop is closed: nobody is iterating
 
     async def _outputs(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
         request = stream.request
@@ -161,6 +169,13 @@ class AsyncEngine:
                     if isinstance(item, _Failure):
                         done = True
                         raise EngineError(item.message)
+                    if item is _ABORTED:
+                        done = True
+                        yield RequestOutput(request.request_id, [], stops.flush() + detok.flush(),
+                                            finish_reason="abort",
+                                            prompt_tokens=len(request.prompt_token_ids),
+                                            completion_tokens=completion_tokens)
+                        break
                     completion_tokens += 1
                     if first_token_time is None:
                         first_token_time = item.time - request.arrival_time
@@ -281,8 +296,6 @@ class AsyncEngine:
             self.last_step_time = time.monotonic()
             if outbox:
                 self._publish(outbox)
-            if self.on_step is not None:
-                self.on_step(self)
 
     def _publish(self, outbox: dict[str, list]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

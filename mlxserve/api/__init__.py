@@ -1,0 +1,1 @@
+"""HTTP only: the FastAPI app, OpenAI and Anthropic schemas, SSE, errors and auth."""

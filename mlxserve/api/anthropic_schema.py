@@ -1,0 +1,57 @@
+"""Request bodies of Anthropic's Messages API (pydantic).
+
+Unknown fields are ignored. Content blocks other than text, tools, extended
+thinking and structured output are declared so they can be refused with a
+clear 400. Current anthropic SDKs no longer send temperature/top_p/top_k
+themselves; clients pass them in `extra_body`, and they are honoured.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentBlock(_Body):
+    type: str
+    text: str | None = None
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Conversation(_Body):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    # Declared only to be refused.
+    tools: list | None = None
+    tool_choice: Any = None
+    thinking: Any = None
+    output_config: dict | None = None  # its `format` (structured output) is refused
+
+
+class MessagesRequest(Conversation):
+    max_tokens: int = Field(ge=1)
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    metadata: dict | None = None
+
+
+class CountTokensRequest(Conversation):
+    pass

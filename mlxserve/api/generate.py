@@ -1,0 +1,204 @@
+"""One HTTP request's engine requests: submit, merge their streams, end them.
+
+An HTTP request may fan out into several engine requests (`n` choices, or a
+list of prompts). `Run` submits them all up front, so that a bad or refused
+request fails with an HTTP status before any byte is streamed, then pumps each
+stream into one queue. Closing a Run (client gone, server shutting down, an
+error) cancels the pumps; cancelling an engine stream aborts its request, so
+its slot is free at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from mlxserve.api.errors import APIError, from_engine
+from mlxserve.api.tokens import TokenBytes
+from mlxserve.engine.request import Request, RequestOutput, TokenLogprob
+
+_SHUTDOWN = object()
+
+
+class ServerState:
+    """What the routes share: the engine, the model and the server's lifecycle."""
+
+    def __init__(self, engine, loaded, server_cfg, metrics):
+        self.engine = engine
+        self.loaded = loaded
+        self.server_cfg = server_cfg
+        self.metrics = metrics
+        self.tokenizer = loaded.tokenizer
+        self.token_bytes = TokenBytes(loaded.tokenizer)
+        self.model_name = server_cfg.served_model_name or loaded.name
+        self.started = int(time.time())
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
+        self._runs: set[asyncio.Queue] = set()
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                           f"'{self.model_name}'.", param="model", code="model_not_found")
+
+    def end_all(self) -> None:
+        """End every in-flight run now (shutdown); each client gets an error event or a 503."""
+        for q in list(self._runs):
+            q.put_nowait(_SHUTDOWN)
+
+
+class Run:
+    def __init__(self, state: ServerState, requests: list[Request], rename: dict | None = None):
+        if state.draining:
+            raise APIError(503, "The server is shutting down.", code="shutting_down")
+        self.state = state
+        self.requests = requests
+        self._rename = rename
+        engine = state.engine
+        streams = []
+        try:
+            for r in requests:
+                streams.append(engine.submit(r))
+        except Exception as e:
+            for r in requests[: len(streams)]:  # unstarted streams have no finally to run
+                engine.abort(r.request_id)
+            raise from_engine(e, rename) from None
+        for r in requests:
+            state.metrics.prompt_tokens.inc(len(r.prompt_token_ids))
+        self._queue: asyncio.Queue = asyncio.Queue()
+        state._runs.add(self._queue)
+        self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, index: int, stream) -> None:
+        m = self.state.metrics
+        request = self.requests[index]
+        last = None
+        try:
+            async for out in stream:
+                now = time.perf_counter()
+                if last is None:
+                    m.ttft.observe(out.first_token_time or now - request.arrival_time)
+                    m.cached_tokens.inc(out.cached_tokens)
+                else:
+                    m.itl.observe(now - last)
+                last = now
+                m.generation_tokens.inc(len(out.new_token_ids))
+                if out.finished:
+                    m.e2e.observe(now - request.arrival_time)
+                    m.finished.labels(out.finish_reason).inc()
+                self._queue.put_nowait((index, out))
+        except asyncio.CancelledError:
+            m.finished.labels("abort").inc()
+            raise
+        except Exception as e:  # noqa: BLE001 - EngineError: handed to the consumer
+            m.finished.labels("error").inc()
+            self._queue.put_nowait((index, e))
+
+    async def __aiter__(self):
+        """(index, output) pairs in arrival order, until every request finished."""
+        remaining = len(self._pumps)
+        while remaining:
+            item = await self._queue.get()
+            if item is _SHUTDOWN:
+                raise APIError(503, "The server is shutting down; this request was ended.",
+                               code="shutting_down")
+            index, out = item
+            if isinstance(out, BaseException):
+                raise from_engine(out, self._rename)
+            yield index, out
+            if out.finished:
+                remaining -= 1
+
+    def close(self) -> None:
+        self.state._runs.discard(self._queue)
+        for p in self._pumps:
+            p.cancel()
+
+
+@dataclass
+class Choice:
+    """The outputs of one engine request, put together."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.texts.append(out.new_text)
+        self.token_ids += out.new_token_ids
+        self.logprobs += visible_logprobs(out)
+        self.finish_reason = out.finish_reason
+        self.stop_reason = out.stop_reason
+        self.prompt_tokens = out.prompt_tokens
+        self.completion_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def visible_logprobs(out: RequestOutput) -> list[TokenLogprob]:
+    """Logprobs of the tokens whose text the client sees.
+
+    The EOS or stop token that ends a request has no text, so OpenAI leaves it
+    out of `logprobs`; keeping it would make the tokens' bytes differ from the text.
+    """
+    lps = out.logprobs or []
+    if lps and out.finish_reason == "stop" and isinstance(out.stop_reason, int) \
+            and lps[-1].token_id == out.stop_reason:
+        return lps[:-1]
+    return lps
+
+
+async def wait_disconnect(request) -> None:
+    """Returns when the HTTP client goes away (after the body was read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streamed answer was ready."""
+
+
+async def collect(run: Run, request) -> list[Choice]:
+    """Every choice of a non-streamed run; aborts the run if the client leaves first."""
+    choices = [Choice() for _ in run.requests]
+
+    async def gather():
+        async for index, out in run:
+            choices[index].add(out)
+
+    task = asyncio.ensure_future(gather())
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()
+        run.close()
+    if task not in done:
+        raise ClientGone()
+    task.result()  # raises APIError if the engine failed a request
+    return choices
+
+
+def usage(choices: list[Choice], n: int) -> dict:
+    """OpenAI usage: each prompt counted once (its first choice), completions summed."""
+    firsts = choices[::n]
+    prompt = sum(c.prompt_tokens for c in firsts)
+    completion = sum(c.completion_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)},
+    }

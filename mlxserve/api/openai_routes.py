@@ -1,0 +1,407 @@
+"""OpenAI API: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
+from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect, usage, visible_logprobs
+from mlxserve.api.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
+from mlxserve.api.sse import DONE, SSEResponse, event
+from mlxserve.api.tokens import clamp, render
+from mlxserve.engine.request import Request as EngineRequest
+from mlxserve.engine.request import SamplingParams
+
+log = logging.getLogger("mlxserve.api")
+router = APIRouter()
+
+# nginx's code for "client closed the request": the non-streamed answer had no one to go to.
+CLIENT_CLOSED = 499
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.mlx
+
+
+# ---- request -> engine requests ----
+
+def sampling_params(body: GenerationFields, *, max_tokens, logprobs: bool, top_logprobs: int,
+                    seed: int | None, vocab_size: int, rename: dict) -> SamplingParams:
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias") from None
+        if vocab_size and not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})",
+                              "logit_bias")
+        bias[token] = value
+    top_k = body.top_k or 0
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if top_k == -1 else top_k,
+            min_p=body.min_p or 0.0,
+            seed=None if seed is None else seed % 2**64,  # the PRNG takes unsigned 64-bit seeds
+            stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=bool(body.ignore_eos),
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=bias,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+        )
+    except ValueError as e:
+        raise from_engine(e, rename) from None
+
+
+def engine_requests(state: ServerState, body: GenerationFields, prompts: list[list[int]], *,
+                    api_id: str, max_tokens, logprobs: bool, top_logprobs: int, rename: dict,
+                    arrival: float) -> list[EngineRequest]:
+    """n requests per prompt, prompt-major, so run index == choice index.
+
+    With a seed, choice j samples with seed + j: n choices with one seed would
+    otherwise be n copies of the same text. `arrival` is when the handler started,
+    so time to first token includes templating and tokenizing.
+    """
+    n = body.n or 1
+    vocab = state.loaded.config.get("vocab_size") or 0
+    params = [
+        sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top_logprobs,
+                        seed=None if body.seed is None else body.seed + j, vocab_size=vocab,
+                        rename=rename)
+        for j in range(n)
+    ]
+    if body.user:
+        log.debug("%s: user %r", api_id, body.user)  # accepted for clients' abuse tracing
+    return [
+        EngineRequest(list(ids), params[j], request_id=f"{api_id}-{i * n + j}", arrival_time=arrival)
+        for i, ids in enumerate(prompts)
+        for j in range(n)
+    ]
+
+
+def check_stream_options(body: GenerationFields) -> bool:
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+# ---- chat ----
+
+def check_chat_supported(body: ChatCompletionRequest) -> None:
+    """Refuse what this server accepts in the schema but cannot honour."""
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request(f"response_format: type {body.response_format.type!r} needs constrained "
+                          "decoding, which this server does not do yet; only 'text' is supported",
+                          "response_format")
+    choice = body.tool_choice  # 'none' and 'auto' are honoured as they are, tools or not
+    if choice == "required" or isinstance(choice, dict):
+        raise bad_request("tool_choice: forcing a tool call ('required' or a named function) needs "
+                          "constrained decoding, which this server does not do; use 'auto' or 'none'",
+                          "tool_choice")
+    if body.functions is not None or body.function_call is not None:
+        raise bad_request("functions: the deprecated functions/function_call fields are not "
+                          "supported; pass tools instead", "functions")
+    if body.audio is not None or (body.modalities and body.modalities != ["text"]):
+        raise bad_request("modalities: this server generates text only", "modalities")
+    if body.prediction is not None:
+        raise bad_request("prediction: predicted outputs are not supported", "prediction")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+
+
+def message_text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"{where}[{j}]: content of type {part.type!r} is not supported; "
+                              "this model takes text only", f"{where}[{j}].type")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def template_message(m: ChatMessage, i: int) -> dict:
+    """An OpenAI message as chat templates expect it (Hugging Face conventions)."""
+    where = f"messages[{i}].content"
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise bad_request(f"{where}: required for role {m.role!r}", where)
+    out = {
+        "role": "system" if m.role == "developer" else m.role,  # templates know no 'developer'
+        "content": "" if m.content is None else message_text(m.content, where),
+    }
+    if m.name:
+        out["name"] = m.name
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            args = call.function.arguments
+            if isinstance(args, str):
+                # OpenAI sends arguments as a JSON string; templates print them with
+                # `tojson`, which would quote the string a second time.
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError:
+                    raise bad_request(f"messages[{i}].tool_calls: arguments of "
+                                      f"{call.function.name!r} are not valid JSON",
+                                      f"messages[{i}].tool_calls") from None
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": args}})
+        out["tool_calls"] = calls
+    return out
+
+
+def chat_logprobs(state: ServerState, lps) -> list[dict]:
+    tb = state.token_bytes
+
+    def entry(token_id, logprob):
+        raw = tb.bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": clamp(logprob),
+                "bytes": list(raw)}
+
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in lps]
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    arrival = time.perf_counter()
+    state = state_of(request)
+    state.check_model(body.model)
+    check_chat_supported(body)
+    include_usage = check_stream_options(body)
+    messages = [template_message(m, i) for i, m in enumerate(body.messages)]
+    tools = None
+    if body.tools and body.tool_choice != "none":  # 'none': the model is not told of tools
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    prompt = render(state.tokenizer, messages, tools=tools, chat_template_kwargs=body.chat_template_kwargs)
+    use_mct = body.max_completion_tokens is not None
+    rename = {"prompt": "messages", "max_tokens": "max_completion_tokens" if use_mct else "max_tokens"}
+    api_id = f"chatcmpl-{uuid.uuid4().hex}"
+    requests = engine_requests(
+        state, body, [prompt], api_id=api_id,
+        max_tokens=body.max_completion_tokens if use_mct else body.max_tokens,
+        logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, rename=rename,
+        arrival=arrival)
+    run = Run(state, requests, rename)
+    n = body.n or 1
+    head = {"id": api_id, "created": int(time.time()), "model": state.model_name,
+            "system_fingerprint": state.loaded.fingerprint[:16]}
+    if body.stream:
+        return SSEResponse(chat_events(state, run, head, n, bool(body.logprobs), include_usage), run)
+    try:
+        choices = await collect(run, request)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse({
+        **head,
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": {"content": chat_logprobs(state, c.logprobs), "refusal": None}
+                if body.logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": usage(choices, n),
+    })
+
+
+async def chat_events(state: ServerState, run: Run, head: dict, n: int, logprobs: bool,
+                      include_usage: bool):
+    base = {**head, "object": "chat.completion.chunk"}
+    if include_usage:
+        base["usage"] = None  # OpenAI: null on every chunk but the last
+
+    def chunk(index, delta, finish=None, lps=None):
+        return event({**base, "choices": [{"index": index, "delta": delta, "logprobs": lps,
+                                           "finish_reason": finish}]})
+
+    choices = [Choice() for _ in range(n)]
+    try:
+        for i in range(n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for i, out in run:
+            choices[i].add(out)
+            lps = None
+            if logprobs:
+                lps = {"content": chat_logprobs(state, visible_logprobs(out)), "refusal": None}
+            if out.new_text or (lps and lps["content"]):
+                yield chunk(i, {"content": out.new_text}, lps=lps)
+            if out.finished:
+                yield chunk(i, {}, finish=out.finish_reason)
+        if include_usage:
+            yield event({**base, "choices": [], "usage": usage(choices, n)})
+    except APIError as e:  # the status line is gone: the error travels as an event
+        yield event(error_body(e, anthropic=False))
+    except Exception:  # noqa: BLE001 - a bug here must still end the stream properly
+        log.exception("stream failed")
+        yield event(error_body(APIError(500, "Internal server error."), anthropic=False))
+    finally:
+        run.close()
+    yield DONE
+
+
+# ---- legacy completions ----
+
+def check_completion_supported(body: CompletionRequest) -> None:
+    if body.suffix:
+        raise bad_request("suffix: insertion (fill-in-the-middle) is not supported; put the text "
+                          "in the prompt instead", "suffix")
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise bad_request("best_of: ranking several samples by likelihood is not supported; "
+                          "use n to get several completions", "best_of")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("logprobs: with echo, logprobs would need the prompt's logprobs, which "
+                          "this server does not compute; drop echo or logprobs", "logprobs")
+
+
+def completion_prompts(state: ServerState, prompt) -> list[tuple[list[int], str]]:
+    """(token ids, text) of each prompt: a string, strings, token ids or lists of token ids."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt: must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append((state.tokenizer.encode(p), p))
+        else:
+            out.append((list(p), state.tokenizer.decode(list(p))))
+    return out
+
+
+class LegacyLogprobs:
+    """The completions API's logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    def __init__(self, state: ServerState, offset: int):
+        self.tb = state.token_bytes
+        self.offset = offset  # characters before the next token in the choice's text
+
+    def __call__(self, lps) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            token = self.tb.text(lp.token_id)
+            top = {self.tb.text(t): clamp(v) for t, v in lp.top}
+            top.setdefault(token, clamp(lp.logprob))  # OpenAI: the sampled token is always there
+            out["tokens"].append(token)
+            out["token_logprobs"].append(clamp(lp.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(token)
+        return out
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    arrival = time.perf_counter()
+    state = state_of(request)
+    state.check_model(body.model)
+    check_completion_supported(body)
+    include_usage = check_stream_options(body)
+    prompts = completion_prompts(state, body.prompt)
+    n = body.n or 1
+    rename = {"top_logprobs": "logprobs"}
+    api_id = f"cmpl-{uuid.uuid4().hex}"
+    requests = engine_requests(
+        state, body, [ids for ids, _ in prompts], api_id=api_id, max_tokens=body.max_tokens,
+        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, rename=rename,
+        arrival=arrival)
+    run = Run(state, requests, rename)
+    # Text before each choice's completion: the prompt with echo, else nothing.
+    echoes = [prompts[i // n][1] if body.echo else "" for i in range(len(requests))]
+    head = {"id": api_id, "object": "text_completion", "created": int(time.time()),
+            "model": state.model_name, "system_fingerprint": state.loaded.fingerprint[:16]}
+    if body.stream:
+        return SSEResponse(completion_events(state, run, head, n, echoes, body.logprobs is not None,
+                                             include_usage), run)
+    try:
+        choices = await collect(run, request)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse({
+        **head,
+        "choices": [
+            {
+                "index": i,
+                "text": echoes[i] + c.text,
+                "logprobs": LegacyLogprobs(state, len(echoes[i]))(c.logprobs)
+                if body.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": usage(choices, n),
+    })
+
+
+async def completion_events(state: ServerState, run: Run, head: dict, n: int, echoes: list[str],
+                            logprobs: bool, include_usage: bool):
+    base = dict(head)
+    if include_usage:
+        base["usage"] = None
+
+    def chunk(index, text, finish=None, lps=None):
+        return event({**base, "choices": [{"index": index, "text": text, "logprobs": lps,
+                                           "finish_reason": finish}]})
+
+    choices = [Choice() for _ in echoes]
+    legacy = [LegacyLogprobs(state, len(e)) for e in echoes]
+    try:
+        for i, echo in enumerate(echoes):
+            if echo:
+                yield chunk(i, echo)
+        async for i, out in run:
+            choices[i].add(out)
+            lps = legacy[i](visible_logprobs(out)) if logprobs else None
+            if out.new_text or (lps and lps["tokens"]) or out.finished:
+                yield chunk(i, out.new_text, finish=out.finish_reason, lps=lps)
+        if include_usage:
+            yield event({**base, "choices": [], "usage": usage(choices, n)})
+    except APIError as e:
+        yield event(error_body(e, anthropic=False))
+    except Exception:  # noqa: BLE001 - a bug here must still end the stream properly
+        log.exception("stream failed")
+        yield event(error_body(APIError(500, "Internal server error."), anthropic=False))
+    finally:
+        run.close()
+    yield DONE
+
+
+# ---- models ----
+
+def model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.started,
+            "owned_by": "mlxserve", "max_model_len": state.engine.max_model_len}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [model_card(state_of(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request):
+    state = state_of(request)
+    state.check_model(model)
+    return model_card(state)

@@ -1,0 +1,296 @@
+"""`mlxserve bench serve`: an HTTP load generator for OpenAI-compatible servers.
+
+For each concurrency level it sends `--requests` streamed requests, at most
+`concurrency` at a time, and measures what a client sees: time to first token,
+inter-token latency (the gaps between streamed chunks), end-to-end time, and
+from those aggregate output tok/s, per-request decode tok/s and requests/s.
+It works against any OpenAI-compatible server (mlxserve, mlx_lm.server, vLLM,
+llama.cpp, Ollama); token counts come from the server's `usage`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+# Common English words: nearly all are one token with a leading space in BPE and
+# SentencePiece vocabularies, so N words make a prompt of about N tokens. Prompts
+# are random sequences of them, different per request, so a prefix cache does not
+# turn the benchmark into a cache benchmark.
+WORDS = """time year people way day man thing woman life child world school state family
+student group country problem hand part place case week company system program question
+work government number night point home water room mother area money story fact month lot
+right study book eye job word business issue side kind head house service friend father
+power hour game line end member law car city community name president team minute idea
+kid body information back parent face others level office door health person art war
+history party result change morning reason research girl guy moment air teacher force
+education foot boy age policy process music market sense nation plan college interest
+death experience effect use class control care field development role effort rate heart
+drug show leader light voice wife police mind price report decision son view relationship
+town road arm difference value building action model season society tax director position
+player record paper space ground form event official matter center couple site project
+activity star table need court oil situation cost industry figure street image phone data
+picture practice piece land product doctor wall patient worker news test movie north love
+support technology step baby computer type attention film tree source organization hair
+window evidence population truth song""".split()
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="HTTP load generator against an OpenAI-compatible server.")
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="The server's /v1 base URL.")
+    p.add_argument("--model", default=None, help="Model name to request (default: the server's first model).")
+    p.add_argument("--concurrency", default="1,4,16", help="Comma-separated concurrency levels.")
+    p.add_argument("--requests", type=int, default=64, help="Requests per concurrency level.")
+    p.add_argument("--input-len", type=int, default=128, help="Prompt length, in words (about one token each).")
+    p.add_argument("--output-len", type=int, default=128, help="Output tokens per request.")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
+                   help="Stream /chat/completions or /completions.")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="For servers without `ignore_eos`: outputs may end early; tokens are counted from usage.")
+    p.add_argument("--api-key", default=os.environ.get("MLXSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="Bearer key (default: $MLXSERVE_API_KEY or $OPENAI_API_KEY).")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the random prompts.")
+    p.add_argument("--timeout", type=float, default=600.0, help="Seconds per request.")
+    p.add_argument("--out-dir", default="benchmarks", help="Where the markdown and PNG go.")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Result:
+    ok: bool
+    error: str = ""
+    ttft: float = 0.0  # seconds from send to the first content
+    e2e: float = 0.0
+    gaps: list[float] = field(default_factory=list)  # seconds between content chunks
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+def make_prompt(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def request_body(args, model: str, prompt: str) -> dict:
+    body = {"model": model, "max_tokens": args.output_len, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True  # a fixed output length, so every request does the same work
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def one_request(client, args, model: str, prompt: str) -> Result:
+    path = "/chat/completions" if args.endpoint == "chat" else "/completions"
+    start = time.perf_counter()
+    stamps = []
+    usage = None
+    try:
+        async with client.stream("POST", args.url.rstrip("/") + path,
+                                 json=request_body(args, model, prompt)) as r:
+            if r.status_code != 200:
+                return Result(False, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return Result(False, str(chunk["error"].get("message")))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    text = choice.get("text") if args.endpoint == "completions" else \
+                        (choice.get("delta") or {}).get("content")
+                    if text:
+                        stamps.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+        return Result(False, f"{type(e).__name__}: {e}")
+    end = time.perf_counter()
+    if not stamps:
+        return Result(False, "no content was streamed")
+    return Result(
+        ok=True,
+        ttft=stamps[0] - start,
+        e2e=end - start,
+        gaps=[b - a for a, b in zip(stamps, stamps[1:])],
+        prompt_tokens=(usage or {}).get("prompt_tokens", 0),
+        # Without usage, count streamed chunks (one token each on most servers).
+        output_tokens=(usage or {}).get("completion_tokens", len(stamps)),
+    )
+
+
+async def run_level(args, model: str, concurrency: int, prompts: list[str], progress) -> tuple[list[Result], float]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    todo: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        todo.put_nowait(p)
+    results = []
+
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
+        async def worker():
+            while not todo.empty():
+                prompt = todo.get_nowait()
+                results.append(await one_request(client, args, model, prompt))
+                if progress is not None:
+                    progress.update(1)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        duration = time.perf_counter() - start
+    return results, duration
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile; nan for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def summarize(concurrency: int, results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    gaps = [g for r in ok for g in r.gaps]
+    decode = [(r.output_tokens - 1) / (r.e2e - r.ttft) for r in ok if r.output_tokens > 1 and r.e2e > r.ttft]
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "req_per_s": len(ok) / duration,
+        "output_tok_per_s": sum(r.output_tokens for r in ok) / duration,
+        "per_request_tok_per_s": percentile(decode, 50),
+        "ttft_p50_ms": percentile([r.ttft for r in ok], 50) * 1000,
+        "ttft_p99_ms": percentile([r.ttft for r in ok], 99) * 1000,
+        "itl_p50_ms": percentile(gaps, 50) * 1000,
+        "itl_p99_ms": percentile(gaps, 99) * 1000,
+        "mean_prompt_tokens": sum(r.prompt_tokens for r in ok) / max(len(ok), 1),
+        "mean_output_tokens": sum(r.output_tokens for r in ok) / max(len(ok), 1),
+        "errors": sorted({r.error for r in results if not r.ok})[:3],
+    }
+
+
+COLUMNS = [
+    ("concurrency", "concurrency"), ("requests", "requests"), ("failed", "failed"),
+    ("req_per_s", "req/s"), ("output_tok_per_s", "output tok/s"),
+    ("per_request_tok_per_s", "per-request tok/s (p50)"),
+    ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
+    ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"),
+    ("mean_prompt_tokens", "prompt tokens"), ("mean_output_tokens", "output tokens"),
+]
+
+
+def server_info(args) -> tuple[str, dict]:
+    """The model to request, and what the server says about itself (mlxserve's /version)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(headers=headers, timeout=30) as c:
+        models = c.get(args.url.rstrip("/") + "/models")
+        models.raise_for_status()
+        model = args.model or models.json()["data"][0]["id"]
+        info = {}
+        root = args.url.rstrip("/").removesuffix("/v1")
+        try:
+            version = c.get(root + "/version")
+            if version.status_code == 200:
+                info = {f"server {k}": v for k, v in version.json().items()
+                        if k in ("version", "backend", "device", "mlx", "mlx_lm")}
+        except httpx.HTTPError:
+            pass
+    return model, info
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from mlxserve.bench import report
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    model, server = server_info(args)
+    info = {**report.machine(), **server, "url": args.url, "model": model, "endpoint": args.endpoint}
+    rng = random.Random(args.seed)
+
+    async def all_levels():
+        # One short request first: the server's first request pays for warm-up (compilation,
+        # allocation). It also finds servers that refuse `ignore_eos` (OpenAI's own does).
+        (warm,), _ = await run_level(args, model, 1, [make_prompt(rng, 8)], None)
+        if not warm.ok and args.ignore_eos and ("HTTP 400" in warm.error or "HTTP 422" in warm.error):
+            print(f"the server refused the warm-up request ({warm.error}); retrying without ignore_eos",
+                  file=sys.stderr)
+            args.ignore_eos = False
+            (warm,), _ = await run_level(args, model, 1, [make_prompt(rng, 8)], None)
+        if not warm.ok:
+            raise SystemExit(f"the warm-up request failed: {warm.error}")
+        rows = []
+        with tqdm(total=args.requests * len(levels), unit="req", file=sys.stderr) as progress:
+            for c in levels:
+                progress.set_description(f"concurrency {c}")
+                prompts = [make_prompt(rng, args.input_len) for _ in range(args.requests)]
+                results, duration = await run_level(args, model, c, prompts, progress)
+                rows.append(summarize(c, results, duration))
+        return rows
+
+    rows = asyncio.run(all_levels())
+    table = report.table([title for _, title in COLUMNS], [[row[k] for k, _ in COLUMNS] for row in rows])
+    print(table)
+    for row in rows:
+        for error in row["errors"]:
+            print(f"concurrency {row['concurrency']}: failed: {error}", file=sys.stderr)
+
+    command = "mlxserve bench serve " + " ".join(sys.argv[3:])
+    notes = (
+        f"\n{args.requests} streamed {args.endpoint} requests per level; prompts of {args.input_len} random "
+        f"words, {args.output_len} output tokens{' (EOS ignored)' if args.ignore_eos else ' at most'}, "
+        "greedy. TTFT: send to first content. ITL: gaps between streamed chunks. Per-request tok/s: "
+        "(output tokens - 1) / (end - first token). Output tok/s and req/s: totals over the level's wall time.\n"
+    )
+    path = report.result_path("serve", info["backend"], args.out_dir)
+    text = report.header("Serving benchmark", info, command) + notes + "\n" + table + "\n"
+    path.with_suffix(".md").write_text(text + f"\n![serving benchmark]({path.name}.png)\n")
+    plot(rows, path.with_suffix(".png"), f"{model} via {args.url}")
+    print(f"wrote {path}.md and {path}.png", file=sys.stderr)
+    return 0 if all(row["failed"] == 0 for row in rows) else 1
+
+
+def plot(rows: list[dict], png, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = [r["concurrency"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(cs, [r["output_tok_per_s"] for r in rows], marker="o", label="aggregate output tok/s")
+    ax1.plot(cs, [r["per_request_tok_per_s"] for r in rows], marker="s", label="per-request tok/s (p50)")
+    ax1.set_xlabel("concurrent requests")
+    ax1.set_ylabel("tokens/s")
+    ax1.legend(fontsize=8)
+    for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
+                       ("itl_p50_ms", "ITL p50"), ("itl_p99_ms", "ITL p99")):
+        ax2.plot(cs, [r[key] for r in rows], marker="o", label=label)
+    ax2.set_xlabel("concurrent requests")
+    ax2.set_ylabel("ms")
+    ax2.set_yscale("log")
+    ax2.legend(fontsize=8)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)

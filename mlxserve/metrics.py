@@ -1,0 +1,55 @@
+"""Prometheus metrics of one server.
+
+Each app gets its own CollectorRegistry, so several apps (tests, embedding)
+never collide in the process-wide default registry. Engine state (running and
+waiting requests, steps) is read when Prometheus scrapes, not pushed from the
+MLX thread.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the route
+
+# Latencies from a few ms (small models on a GPU) to minutes (long prompts on a CPU).
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+               0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class Metrics:
+    def __init__(self, engine=None):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("mlxserve_requests", "HTTP requests by endpoint and status code.",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("mlxserve_prompt_tokens", "Prompt tokens of admitted requests.",
+                                     registry=r)
+        self.cached_tokens = Counter("mlxserve_cached_prompt_tokens",
+                                     "Prompt tokens served from the prefix cache.", registry=r)
+        self.generation_tokens = Counter("mlxserve_generation_tokens", "Generated tokens.", registry=r)
+        self.finished = Counter("mlxserve_request_finished",
+                                "Engine requests by how they ended (stop, length, abort, error).",
+                                ["reason"], registry=r)
+        self.ttft = Histogram("mlxserve_time_to_first_token_seconds",
+                              "Seconds from arrival to the first generated token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("mlxserve_inter_token_latency_seconds",
+                             "Seconds between consecutive tokens of a request.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("mlxserve_e2e_request_latency_seconds",
+                             "Seconds from arrival to the last token of a request.",
+                             buckets=E2E_BUCKETS, registry=r)
+        if engine is not None:
+            Gauge("mlxserve_num_requests_running", "Requests in the running batch.",
+                  registry=r).set_function(lambda: engine.num_running)
+            Gauge("mlxserve_num_requests_waiting", "Requests queued for a slot.",
+                  registry=r).set_function(lambda: engine.num_waiting)
+            Gauge("mlxserve_engine_alive", "1 while the engine loop runs.",
+                  registry=r).set_function(lambda: 1.0 if engine.alive else 0.0)
+            Gauge("mlxserve_engine_steps", "Engine steps since start.",
+                  registry=r).set_function(lambda: engine.steps)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
