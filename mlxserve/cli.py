@@ -54,6 +54,15 @@ def cmd_chat(ns) -> int:
     return 0
 
 
+def cmd_convert(ns) -> int:
+    from mlxserve.models.load import load, save_folder
+
+    loaded = load(ns.model, load_format=ns.load_format, dtype=ns.dtype,
+                  quantize_bits=ns.quantize, seed=ns.dummy_seed)
+    print(save_folder(loaded, ns.out_dir))
+    return 0
+
+
 def cmd_shapes(ns) -> int:
     from mlxserve.models.dummy import list_shapes
 
@@ -81,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, ModelConfig, EngineConfig, positional=False)
     _sampling_args(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("convert", help="Write any model source (GGUF, dummy, ...) as a plain MLX folder.")
+    add_arguments(p, ModelConfig)
+    p.add_argument("--out-dir", required=True, help="The MLX folder to write.")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("shapes", help="List the named model shapes for --load-format dummy.")
     p.set_defaults(func=cmd_shapes)

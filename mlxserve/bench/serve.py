@@ -43,8 +43,13 @@ window evidence population truth song""".split()
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="HTTP load generator against an OpenAI-compatible server.")
-    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="The server's /v1 base URL.")
-    p.add_argument("--model", default=None, help="Model name to request (default: the server's first model).")
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1",
+                   help="The server's /v1 base URL; several, comma-separated, are measured one after "
+                        "the other with the same prompts and compared in one result.")
+    p.add_argument("--model", default=None,
+                   help="Model name to request, one for all or one per URL (default: each server's "
+                        "first model; mlx_lm.server's own name for its model is 'default_model').")
+    p.add_argument("--label", default=None, help="Names of the servers in the result, one per URL.")
     p.add_argument("--concurrency", default="1,4,16", help="Comma-separated concurrency levels.")
     p.add_argument("--requests", type=int, default=64, help="Requests per concurrency level.")
     p.add_argument("--input-len", type=int, default=128, help="Prompt length, in words (about one token each).")
@@ -58,7 +63,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="Seed of the random prompts.")
     p.add_argument("--timeout", type=float, default=600.0, help="Seconds per request.")
     p.add_argument("--out-dir", default="benchmarks", help="Where the markdown and PNG go.")
-    p.set_defaults(func=run)
+    p.add_argument("--replot", metavar="JSON", help="Only redraw the PNG of an earlier result.")
+    p.set_defaults(func=lambda a: replot(a.replot) if a.replot else run(a))
 
 
 @dataclass
@@ -194,36 +200,33 @@ COLUMNS = [
 ]
 
 
-def server_info(args) -> tuple[str, dict]:
+def server_info(url: str, model: str | None, api_key: str | None) -> tuple[str, dict]:
     """The model to request, and what the server says about itself (mlxserve's /version)."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(headers=headers, timeout=30) as c:
-        models = c.get(args.url.rstrip("/") + "/models")
-        models.raise_for_status()
-        model = args.model or models.json()["data"][0]["id"]
+        if model is None:
+            models = c.get(url.rstrip("/") + "/models")
+            models.raise_for_status()
+            model = models.json()["data"][0]["id"]
         info = {}
-        root = args.url.rstrip("/").removesuffix("/v1")
+        root = url.rstrip("/").removesuffix("/v1")
         try:
             version = c.get(root + "/version")
             if version.status_code == 200:
-                info = {f"server {k}": v for k, v in version.json().items()
+                info = {k: v for k, v in version.json().items()
                         if k in ("version", "backend", "device", "mlx", "mlx_lm")}
         except httpx.HTTPError:
             pass
     return model, info
 
 
-def run(args) -> int:
+def bench_server(args, url: str, model: str, levels: list[int]) -> list[dict]:
     from tqdm import tqdm
 
-    from mlxserve.bench import report
-
-    levels = [int(c) for c in args.concurrency.split(",")]
-    model, server = server_info(args)
-    info = {**report.machine(), **server, "url": args.url, "model": model, "endpoint": args.endpoint}
-    rng = random.Random(args.seed)
+    args.url = url
+    rng = random.Random(args.seed)  # the same prompts for every server
 
     async def all_levels():
         # One short request first: the server's first request pays for warm-up (compilation,
@@ -235,7 +238,7 @@ def run(args) -> int:
             args.ignore_eos = False
             (warm,), _ = await run_level(args, model, 1, [make_prompt(rng, 8)], None)
         if not warm.ok:
-            raise SystemExit(f"the warm-up request failed: {warm.error}")
+            raise SystemExit(f"the warm-up request to {url} failed: {warm.error}")
         rows = []
         with tqdm(total=args.requests * len(levels), unit="req", file=sys.stderr) as progress:
             for c in levels:
@@ -245,52 +248,100 @@ def run(args) -> int:
                 rows.append(summarize(c, results, duration))
         return rows
 
-    rows = asyncio.run(all_levels())
-    table = report.table([title for _, title in COLUMNS], [[row[k] for k, _ in COLUMNS] for row in rows])
-    print(table)
-    for row in rows:
-        for error in row["errors"]:
-            print(f"concurrency {row['concurrency']}: failed: {error}", file=sys.stderr)
+    return asyncio.run(all_levels())
+
+
+def _per_url(value: str | None, n: int, what: str) -> list:
+    items = value.split(",") if value else [None] * n
+    if len(items) == 1:
+        items = items * n
+    if len(items) != n:
+        raise SystemExit(f"--{what}: give one, or one per URL ({n})")
+    return items
+
+
+def run(args) -> int:
+    from mlxserve.bench import report
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    urls = args.url.split(",")
+    labels = _per_url(args.label, len(urls), "label")
+    models = _per_url(args.model, len(urls), "model")
+    ignore_eos = args.ignore_eos
+    info = report.machine()
+    runs = []
+    for url, label, model in zip(urls, labels, models):
+        model, server = server_info(url, model, args.api_key)
+        args.ignore_eos = ignore_eos
+        rows = bench_server(args, url, model, levels)
+        runs.append({"label": label or url, "url": url, "model": model, "server": server,
+                     "ignore_eos": args.ignore_eos, "rows": rows})
 
     command = "mlxserve bench serve " + " ".join(sys.argv[3:])
-    notes = (
-        f"\n{args.requests} streamed {args.endpoint} requests per level; prompts of {args.input_len} random "
-        f"words, {args.output_len} output tokens{' (EOS ignored)' if args.ignore_eos else ' at most'}, "
-        "greedy. TTFT: send to first content. ITL: gaps between streamed chunks. Per-request tok/s: "
-        "(output tokens - 1) / (end - first token). Output tok/s and req/s: totals over the level's wall time.\n"
-    )
+    md = [report.header("Serving benchmark", info, command),
+          f"{args.requests} streamed {args.endpoint} requests per level; prompts of {args.input_len} "
+          f"random words, {args.output_len} output tokens, greedy. TTFT: send to first content. "
+          "ITL: gaps between streamed chunks. Per-request tok/s: (output tokens - 1) / (end - first "
+          "token). Output tok/s and req/s: totals over the level's wall time.\n"]
+    for r in runs:
+        table = report.table([title for _, title in COLUMNS], [[row[k] for k, _ in COLUMNS] for row in r["rows"]])
+        print(f"\n{r['label']} ({r['url']}, model {r['model']})\n{table}")
+        md.append(f"## {r['label']}\n\n- url: {r['url']}\n- model: {r['model']}\n"
+                  + "".join(f"- {k}: {v}\n" for k, v in r["server"].items())
+                  + f"- output length: {args.output_len} tokens"
+                  + (" (EOS ignored)" if r["ignore_eos"] else " at most (this server has no ignore_eos)")
+                  + f"\n\n{table}\n")
+        for row in r["rows"]:
+            for error in row["errors"]:
+                print(f"{r['label']} concurrency {row['concurrency']}: failed: {error}", file=sys.stderr)
+    if len(runs) > 1:
+        compare = report.table(
+            ["concurrency"] + [f"{r['label']} tok/s" for r in runs] + [f"{r['label']} TTFT p50 ms" for r in runs],
+            [[c] + [r["rows"][i]["output_tok_per_s"] for r in runs] + [r["rows"][i]["ttft_p50_ms"] for r in runs]
+             for i, c in enumerate(levels)])
+        print("\n" + compare)
+        md.append("## Side by side\n\n" + compare + "\n")
     path = report.result_path("serve", info["backend"], args.out_dir)
-    text = report.header("Serving benchmark", info, command) + notes + "\n" + table + "\n"
-    path.with_suffix(".md").write_text(text + f"\n![serving benchmark]({path.name}.png)\n")
-    plot(rows, path.with_suffix(".png"), f"{model} via {args.url}")
-    print(f"wrote {path}.md and {path}.png", file=sys.stderr)
-    return 0 if all(row["failed"] == 0 for row in rows) else 1
+    path.with_suffix(".md").write_text("\n".join(md) + f"\n![serving benchmark]({path.name}.png)\n")
+    report.save_json(path, {"info": info, "results": runs})
+    report.plot_or_defer(plot, runs, path, info)
+    return 0 if all(row["failed"] == 0 for r in runs for row in r["rows"]) else 1
 
 
-def plot(rows: list[dict], png, title: str) -> None:
+def replot(json_path) -> None:
+    from mlxserve.bench import report
+
+    data = report.load_json(json_path)
+    plot(data["results"], report.Path(json_path).with_suffix(".png"), data["info"])
+
+
+def plot(runs: list[dict], png, info: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cs = [r["concurrency"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(cs, [r["output_tok_per_s"] for r in rows], marker="o", label="aggregate output tok/s")
-    ax1.plot(cs, [r["per_request_tok_per_s"] for r in rows], marker="s", label="per-request tok/s (p50)")
-    ax1.set_xlabel("concurrent requests")
-    ax1.set_ylabel("tokens/s")
-    ax1.legend(fontsize=8)
-    for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
-                       ("itl_p50_ms", "ITL p50"), ("itl_p99_ms", "ITL p99")):
-        ax2.plot(cs, [r[key] for r in rows], marker="o", label=label)
-    ax2.set_xlabel("concurrent requests")
+    for r in runs:
+        rows = r["rows"]
+        cs = [row["concurrency"] for row in rows]
+        line, = ax1.plot(cs, [row["output_tok_per_s"] for row in rows], marker="o",
+                         label=f"{r['label']} aggregate")
+        ax1.plot(cs, [row["per_request_tok_per_s"] for row in rows], marker="s", linestyle="--",
+                 color=line.get_color(), label=f"{r['label']} per request (p50)")
+        ax2.plot(cs, [row["ttft_p50_ms"] for row in rows], marker="o", color=line.get_color(),
+                 label=f"{r['label']} TTFT p50")
+        ax2.plot(cs, [row["itl_p50_ms"] for row in rows], marker="s", linestyle="--",
+                 color=line.get_color(), label=f"{r['label']} ITL p50")
+    ax1.set_ylabel("output tokens/s")
     ax2.set_ylabel("ms")
     ax2.set_yscale("log")
-    ax2.legend(fontsize=8)
     for ax in (ax1, ax2):
+        ax.set_xlabel("concurrent requests")
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"serving benchmark, {info.get('backend')} ({info.get('device')})", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)

@@ -239,3 +239,21 @@ def hub_download(repo_id: str, tried: list[str], progress: bool) -> Path:
         if not progress:
             huggingface_hub.utils.enable_progress_bars()
     return Path(path)
+
+
+def save_folder(loaded: LoadedModel, out_dir) -> Path:
+    """Write a loaded model as a plain MLX folder (config, safetensors, tokenizer).
+
+    Any mlx-lm tool can load the result: `mlxserve convert` uses this to give
+    peers (mlx_lm.server) the very same weights, e.g. of a dummy model.
+    """
+    from mlx_lm.utils import save_config, save_model
+
+    from mlxserve.models.cache import atomic_dir
+
+    out = Path(out_dir)
+    with atomic_dir(out) as tmp:
+        save_model(tmp, loaded.model)
+        save_config(dict(loaded.config), config_path=tmp / "config.json")
+        loaded.tokenizer._tokenizer.save_pretrained(tmp)
+    return out
