@@ -82,8 +82,8 @@ def make_prompt(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
-def request_body(args, model: str, prompt: str) -> dict:
-    body = {"model": model, "max_tokens": args.output_len, "temperature": 0.0, "stream": True,
+def request_body(args, model: str, prompt: str, output_len: int | None = None) -> dict:
+    body = {"model": model, "max_tokens": output_len or args.output_len, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True  # a fixed output length, so every request does the same work
@@ -94,14 +94,14 @@ def request_body(args, model: str, prompt: str) -> dict:
     return body
 
 
-async def one_request(client, args, model: str, prompt: str) -> Result:
+async def one_request(client, args, model: str, prompt: str, output_len: int | None = None) -> Result:
     path = "/chat/completions" if args.endpoint == "chat" else "/completions"
     start = time.perf_counter()
     stamps = []
     usage = None
     try:
         async with client.stream("POST", args.url.rstrip("/") + path,
-                                 json=request_body(args, model, prompt)) as r:
+                                 json=request_body(args, model, prompt, output_len)) as r:
             if r.status_code != 200:
                 return Result(False, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
             async for line in r.aiter_lines():
@@ -136,7 +136,8 @@ async def one_request(client, args, model: str, prompt: str) -> Result:
     )
 
 
-async def run_level(args, model: str, concurrency: int, prompts: list[str], progress) -> tuple[list[Result], float]:
+async def run_level(args, model: str, concurrency: int, prompts: list[str], progress,
+                    output_len: int | None = None) -> tuple[list[Result], float]:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -150,7 +151,7 @@ async def run_level(args, model: str, concurrency: int, prompts: list[str], prog
         async def worker():
             while not todo.empty():
                 prompt = todo.get_nowait()
-                results.append(await one_request(client, args, model, prompt))
+                results.append(await one_request(client, args, model, prompt, output_len))
                 if progress is not None:
                     progress.update(1)
 
@@ -243,6 +244,11 @@ def bench_server(args, url: str, model: str, levels: list[int]) -> list[dict]:
         with tqdm(total=args.requests * len(levels), unit="req", file=sys.stderr) as progress:
             for c in levels:
                 progress.set_description(f"concurrency {c}")
+                # An unmeasured round at this concurrency first: GPU backends compile
+                # kernels per new shape, and the server measured first would pay for
+                # it (MLX's compiled-kernel cache is shared by the servers of one run).
+                await run_level(args, model, c, [make_prompt(rng, args.input_len) for _ in range(c)],
+                                None, output_len=4)
                 prompts = [make_prompt(rng, args.input_len) for _ in range(args.requests)]
                 results, duration = await run_level(args, model, c, prompts, progress)
                 rows.append(summarize(c, results, duration))
