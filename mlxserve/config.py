@@ -62,6 +62,17 @@ class EngineConfig:
     default_max_tokens: int = setting(
         4096, "Output tokens of a request that names no limit (capped by the context)."
     )
+    prefix_cache: bool = setting(
+        True, "Reuse the KV cache of shared prompt prefixes (paged, chain-hashed blocks)."
+    )
+    cache_memory: str = setting(
+        "10%",
+        "Byte budget of the prefix cache's blocks in memory: e.g. 4GB, 512MB, or a share "
+        "of the memory MLX may use (20%). Least recently used free blocks are evicted beyond it.",
+    )
+    block_size: int = setting(
+        64, "Tokens per prefix-cache block; only full blocks are shared."
+    )
     solo_fast_path: bool = setting(
         True,
         "Decode a lone request with a lean single-sequence loop (like mlx-lm's "

@@ -10,6 +10,7 @@ run on the caller's side, off the MLX thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -76,6 +77,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self.fatal_error: str | None = None
+        self.prefix_cache = None  # a PrefixCache, made on the MLX thread when enabled
         self.num_running = 0
         self.num_waiting = 0
         self.steps = 0  # engine steps that had work
@@ -144,6 +146,32 @@ class AsyncEngine:
         self._streams[request.request_id] = stream
         self._commands.put(("add", (request, max_tokens)))
         return self._outputs(stream)
+
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run fn() on the MLX thread between two steps (the cache is not thread-safe)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(EngineDeadError(self.fatal_error or "engine is not running"))
+        else:
+            self._commands.put(("call", (fn, future)))
+        return future
+
+    async def cache_stats(self) -> dict | None:
+        """The prefix cache's counters, or None when it is off."""
+        if not self.config.prefix_cache:
+            return None
+        return await asyncio.wrap_future(self.call(lambda: self.prefix_cache.stats()))
+
+    async def reset_cache(self) -> dict | None:
+        """Drop every cached block not in use; returns the stats after."""
+        if not self.config.prefix_cache:
+            return None
+
+        def reset():
+            self.prefix_cache.pool.reset()
+            return self.prefix_cache.stats()
+
+        return await asyncio.wrap_future(self.call(reset))
 
     def abort(self, request_id: str) -> None:
         """Free the request's slot at the next step; its stream ends with finish_reason "abort"."""
@@ -222,12 +250,19 @@ class AsyncEngine:
             from mlxserve.engine.scheduler import Scheduler
 
             cfg = self.config
+            self.prefix_cache = None
+            if cfg.prefix_cache:
+                from mlxserve.cache import BlockPool, PrefixCache, parse_size
+
+                self.prefix_cache = PrefixCache(BlockPool(parse_size(cfg.cache_memory)), cfg.block_size,
+                                                self.loaded.fingerprint, model=self.loaded.model)
             runner = Runner(
                 self.loaded.model,
                 max_num_seqs=cfg.max_num_seqs,
                 prefill_chunk_size=cfg.prefill_chunk_size,
                 prefill_batch_size=cfg.prefill_batch_size,
                 solo_fast_path=cfg.solo_fast_path,
+                prefix_cache=self.prefix_cache,
             )
             scheduler = Scheduler(
                 runner,
@@ -246,6 +281,14 @@ class AsyncEngine:
             self.fatal_error = "engine loop crashed:\n" + traceback.format_exc()
             log.error(self.fatal_error)
             self._fail_all("engine loop crashed")
+        finally:  # nobody will run what is still queued: don't leave callers waiting
+            while True:
+                try:
+                    kind, arg = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "call":
+                    arg[1].set_exception(EngineDeadError("engine stopped"))
 
     def _loop(self, scheduler) -> None:
         while True:
@@ -268,6 +311,12 @@ class AsyncEngine:
                     return
                 if kind == "abort":
                     scheduler.abort(arg)
+                elif kind == "call":
+                    fn, future = arg
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        future.set_exception(e)
                 elif kind == "add":
                     request, max_tokens = arg
                     try:

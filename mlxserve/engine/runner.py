@@ -34,7 +34,8 @@ class Sequence:
     stop_sequences: Any
     num_generated: int = 0
     uid: int | None = None  # id inside the BatchGenerator
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    block_hashes: list = field(default_factory=list)  # of the prompt's full blocks
 
     @property
     def request_id(self) -> str:
@@ -67,14 +68,17 @@ def _event(seq: Sequence, token: int, finish: str | None, row: mx.array | None) 
 class SoloDecoder:
     """One sequence, prefilled in chunks and decoded like `generate_step`."""
 
-    def __init__(self, model, seq: Sequence, chunk_size: int):
+    def __init__(self, model, seq: Sequence, chunk_size: int, cache=None, prefix_cache=None):
         self.model = model
         self.seq = seq
         self.chunk_size = chunk_size
-        self.cache = make_prompt_cache(model)
-        self.todo = list(seq.request.prompt_token_ids)  # not yet in the cache
-        self.in_cache: list[int] = []
-        self.context = None  # tokens in the cache, as an array, for processors
+        self.prefix_cache = prefix_cache
+        prompt = list(seq.request.prompt_token_ids)
+        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.in_cache: list[int] = prompt[: seq.cached_tokens]
+        self.todo = prompt[seq.cached_tokens :]  # not yet in the cache
+        # Tokens in the cache as an array, for penalties (logits processors).
+        self.context = mx.array(self.in_cache) if seq.processors and self.in_cache else None
         self.pending = None  # (token, logprobs) sampled but not yet emitted
 
     def _forward(self, tokens: mx.array):
@@ -101,6 +105,7 @@ class SoloDecoder:
                 mx.eval([c.state for c in self.cache])
                 self.in_cache += chunk
                 self.todo = self.todo[n:]
+                self.store_blocks()
                 return None
             if self.pending is None:
                 self.pending = self._forward(mx.array(self.todo))
@@ -123,6 +128,12 @@ class SoloDecoder:
             self.in_cache.append(token)
         return _event(seq, token, seq.finish_reason(token), row)
 
+    def store_blocks(self) -> None:
+        """Hand every full block now in the cache to the prefix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.store_from_cache(self.cache, self.in_cache, len(self.in_cache),
+                                               hashes=self.seq.block_hashes)
+
     def handover(self) -> tuple[TokenEvent | None, list[int], list[int]]:
         """Stop solo decoding at a token boundary.
 
@@ -138,8 +149,9 @@ class SoloDecoder:
 
 class Runner:
     def __init__(self, model, *, max_num_seqs: int, prefill_chunk_size: int,
-                 prefill_batch_size: int, solo_fast_path: bool = True):
+                 prefill_batch_size: int, solo_fast_path: bool = True, prefix_cache=None):
         self.model = model
+        self.prefix_cache = prefix_cache  # a PrefixCache, or None when caching is off
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
         self.prefill_batch_size = prefill_batch_size
@@ -166,15 +178,30 @@ class Runner:
     def __len__(self) -> int:
         return len(self.batch) + (self.solo is not None)
 
+    def _restore_prefix(self, seq: Sequence):
+        """The longest cached prefix of the prompt as a ready cache, or None."""
+        pc = self.prefix_cache
+        if pc is None:
+            return None
+        match = pc.match(seq.request.prompt_token_ids)
+        seq.block_hashes = match.hashes
+        cache = pc.restore(self.model, match)
+        pc.release(match)  # the restored cache is a copy
+        if cache is not None:
+            seq.cached_tokens = match.num_tokens
+        return cache
+
     def add(self, seq: Sequence) -> list[TokenEvent]:
         """Start a sequence. May return an event of a solo sequence moved into the batch."""
+        cache = self._restore_prefix(seq)
         if self.solo_fast_path and self.solo is None and not self.batch:
-            self.solo = SoloDecoder(self.model, seq, self.prefill_chunk_size)
+            self.solo = SoloDecoder(self.model, seq, self.prefill_chunk_size, cache, self.prefix_cache)
             return []
         events = []
         if self.solo is not None:
             events = self._solo_to_batch()
-        self._insert(seq, seq.request.prompt_token_ids, None, [])
+        prompt = seq.request.prompt_token_ids
+        self._insert(seq, prompt[seq.cached_tokens:], cache, prompt[:seq.cached_tokens])
         return events
 
     def _solo_to_batch(self) -> list[TokenEvent]:
@@ -212,11 +239,14 @@ class Runner:
             if event is None:
                 return []
             if event.finish_reason:
+                self.solo.store_blocks()  # generated tokens' full blocks too
                 self.solo = None
             return [event]
         if not self.batch:
             return []
-        _, responses = self.generator.next()
+        prompt_progress, responses = self.generator.next()
+        if self.prefix_cache is not None and prompt_progress:
+            self._store_prompt_blocks()
         events = []
         for r in responses:
             seq = self.batch.get(r.uid)
@@ -228,8 +258,27 @@ class Runner:
                 del self.batch[r.uid]
                 if not r.finish_reason:
                     self.generator.remove([r.uid])
+                elif self.prefix_cache is not None and r.prompt_cache is not None:
+                    # The finished row's cache holds prompt + output: keep its full blocks.
+                    self.prefix_cache.store_from_cache(r.prompt_cache, r.all_tokens, len(r.all_tokens),
+                                                       hashes=seq.block_hashes)
             events.append(_event(seq, r.token, finish, r.logprobs))
         return events
+
+    def _store_prompt_blocks(self) -> None:
+        """Store the blocks each prompt completed in this step's prefill chunk.
+
+        Reads the BatchGenerator's prompt batch between steps (mlx-lm has no
+        public accessor for it): its rows, their batched caches and the tokens
+        each row's cache holds.
+        """
+        batch = self.generator._prompt_batch
+        for row, uid in enumerate(batch.uids):
+            seq = self.batch.get(uid)
+            if seq is not None:
+                tokens = batch.tokens[row]
+                self.prefix_cache.store_from_batch(batch.prompt_cache, row, tokens, len(tokens),
+                                                   hashes=seq.block_hashes)
 
     def reset(self) -> list[Sequence]:
         """Drop every sequence (after a failed step); returns those dropped."""

@@ -1,0 +1,526 @@
+"""What a cached block keeps of each layer, and how a prompt cache is rebuilt from blocks.
+
+A block's payload is a list with one entry per layer of the model's cache:
+
+- `KV(keys, values)`: the block's tokens of an attention layer, full or
+  sliding-window, each (1, kv_heads, block_size, head_dim).
+- `QuantizedKV(keys, values, group_size, bits)`: the same, from mlx-lm's
+  `QuantizedKVCache` (keys and values are (packed, scales, biases)).
+- `State(arrays)`: a recurrent layer's state (`ArraysCache`) after the block's
+  last token. A recurrent state exists only where the cache ended when the
+  block was stored, so only such blocks have one, and restores of recurrent
+  models happen at their ends.
+- `Nested(parts)`: a `CacheList` layer, one entry (or None) per sub-cache:
+  Falcon-H1 pairs a recurrent state with attention KV in one layer, and the
+  KV must not be lost in the blocks where the state is absent.
+- `None`: not available (a sliding-window cache no longer held those tokens,
+  a recurrent layer mid-stream, an unsupported cache class).
+
+A layer's spec says what a restore at token p reads: ("full",) every block;
+("window", max_size, keep) the blocks of the first `keep` and the last
+`max_size - keep` tokens; ("state",) the block ending at p; ("list", specs).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+
+class KV(NamedTuple):
+    keys: mx.array
+    values: mx.array
+
+
+class QuantizedKV(NamedTuple):
+    keys: tuple
+    values: tuple
+    group_size: int
+    bits: int
+
+
+class State(NamedTuple):
+    arrays: tuple
+
+
+class Nested(NamedTuple):
+    parts: tuple
+
+
+# ---- specs ----
+
+
+def layer_spec(c):
+    """The restore-relevant kind of one cache object (single or batched); None if unsupported."""
+    # Exact classes first: a subclass may keep state these functions don't know.
+    if isinstance(c, (KVCache, QuantizedKVCache, BatchKVCache)):
+        return ("full",)
+    if isinstance(c, RotatingKVCache):
+        return ("window", c.max_size, c.keep)
+    if isinstance(c, BatchRotatingKVCache):
+        return ("window", c.max_size, 0)  # batched rotating caches have no `keep`
+    if isinstance(c, ArraysCache):
+        return ("state",)
+    if isinstance(c, CacheList):
+        subs = tuple(layer_spec(s) for s in c.caches)
+        return None if None in subs else ("list", subs)
+    return None  # e.g. ChunkedKVCache: not cacheable by blocks
+
+
+def layer_specs(cache_layers) -> tuple:
+    return tuple(layer_spec(c) for c in cache_layers)
+
+
+def model_specs(model) -> tuple:
+    return layer_specs(make_prompt_cache(model))
+
+
+def spec_kinds(specs) -> set:
+    """The layer kinds in `specs`, looking inside CacheLists."""
+    kinds = set()
+    for s in specs:
+        if s is not None:
+            kinds |= spec_kinds(s[1]) if s[0] == "list" else {s[0]}
+    return kinds
+
+
+def flat_specs(specs) -> list:
+    """Leaf specs in order, CacheLists opened up."""
+    out = []
+    for s in specs:
+        out += flat_specs(s[1]) if s is not None and s[0] == "list" else [s]
+    return out
+
+
+def flat_entries(payload, specs) -> list:
+    """A payload's leaf entries, aligned with `flat_specs(specs)`."""
+    out = []
+    for e, s in zip(payload, specs):
+        if s is not None and s[0] == "list":
+            out += flat_entries(e.parts if e is not None else (None,) * len(s[1]), s[1])
+        else:
+            out.append(e)
+    return out
+
+
+def needed_blocks(spec, num_tokens: int, block_size: int):
+    """Block index ranges [a, b) that a restore at `num_tokens` reads for one layer.
+
+    None when this layer cannot be restored there (a recurrent state exists
+    only at block ends).
+    """
+    nb = -(-num_tokens // block_size)
+    kind = spec[0]
+    if kind == "full":
+        return [(0, nb)]
+    if kind == "window":
+        _, max_size, keep = spec
+        if num_tokens <= max_size:
+            return [(0, nb)]
+        ranges = [((num_tokens - (max_size - keep)) // block_size, nb)]
+        if keep:
+            ranges.insert(0, (0, -(-keep // block_size)))
+        return ranges
+    if kind == "state":
+        return [(nb - 1, nb)] if num_tokens % block_size == 0 else None
+    if kind == "list":
+        ranges = []
+        for sub in spec[1]:
+            r = needed_blocks(sub, num_tokens, block_size)
+            if r is None:
+                return None
+            ranges += r
+        return ranges
+    raise ValueError(f"unsupported layer spec {spec!r}")
+
+
+# ---- payload bookkeeping ----
+
+
+def _entry_arrays(e) -> list:
+    if e is None:
+        return []
+    if isinstance(e, KV):
+        return [e.keys, e.values]
+    if isinstance(e, QuantizedKV):
+        return [*e.keys, *e.values]
+    if isinstance(e, State):
+        return [a for a in e.arrays if a is not None]
+    if isinstance(e, Nested):
+        return [a for p in e.parts for a in _entry_arrays(p)]
+    raise TypeError(f"not a payload entry: {type(e).__name__}")
+
+
+def payload_arrays(payload) -> list:
+    return [a for e in payload for a in _entry_arrays(e)]
+
+
+def payload_nbytes(payload) -> int:
+    return sum(a.nbytes for a in payload_arrays(payload))
+
+
+def _merge_entry(old, new):
+    if old is None:
+        return new
+    if isinstance(old, Nested) and isinstance(new, Nested):
+        return Nested(tuple(_merge_entry(o, n) for o, n in zip(old.parts, new.parts)))
+    return old
+
+
+def _present(e) -> int:
+    if isinstance(e, Nested):
+        return sum(_present(p) for p in e.parts)
+    return e is not None
+
+
+def fill_missing(old, new):
+    """`old` with its missing entries (CacheList parts too) taken from `new`; None if `new` adds nothing."""
+    if len(old) != len(new):
+        raise ValueError("payloads of different layer counts")
+    merged = [_merge_entry(o, n) for o, n in zip(old, new)]
+    if sum(map(_present, merged)) == sum(map(_present, old)):
+        return None
+    return merged
+
+
+def _copy(x: mx.array) -> mx.array:
+    # A slice is a view that keeps the whole (step-allocated, much larger)
+    # cache buffer alive; `contiguous` copies unless the buffer is already
+    # about the slice's size.
+    return mx.contiguous(x)
+
+
+def _take(x: mx.array, rows: slice, runs) -> mx.array:
+    parts = [x[rows, :, a:b, :] for a, b in runs]
+    return _copy(parts[0]) if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+# ---- single-sequence caches ----
+
+
+def _rotating_runs(c: RotatingKVCache, start: int, end: int):
+    """Buffer slices holding tokens [start, end) of a RotatingKVCache, in order; None if any is gone.
+
+    The buffer keeps tokens [0, keep) at the front; the other slots are a
+    ring written at `_idx`, so the oldest token still held sits at `_idx`.
+    """
+    offset, idx, keep = c.offset, c._idx, c.keep
+    size = c.keys.shape[2]
+    if idx >= offset:  # nothing overwritten yet: token j is in slot j
+        return [(start, end)]
+    runs = []
+    if start < keep:
+        runs.append((start, min(end, keep)))
+        start = min(end, keep)
+        if start == end:
+            return runs
+    ring = size - keep
+    first = offset - ring  # oldest token in the ring
+    if start < first:
+        return None
+    slot = keep + (start - first + idx - keep) % ring
+    n = end - start
+    if slot + n <= size:
+        return runs + [(slot, slot + n)]
+    return runs + [(slot, size), (keep, keep + n - (size - slot))]
+
+
+def _offsets(cache_layers) -> list[int]:
+    """Token counts of the layers that keep one (attention layers)."""
+    out = []
+    for c in cache_layers:
+        if isinstance(c, CacheList):
+            out += _offsets(c.caches)
+        elif isinstance(c, (KVCache, QuantizedKVCache, RotatingKVCache)):
+            out.append(c.offset)
+    return out
+
+
+def _extract_single(c, start, end, state_here):
+    if isinstance(c, (KVCache, RotatingKVCache)):
+        if c.keys is None or end > c.offset:
+            return None
+        runs = [(start, end)] if isinstance(c, KVCache) else _rotating_runs(c, start, end)
+        if runs is None:
+            return None
+        return KV(_take(c.keys, slice(0, 1), runs), _take(c.values, slice(0, 1), runs))
+    if isinstance(c, QuantizedKVCache):
+        if c.keys is None or end > c.offset:
+            return None
+        runs = [(start, end)]
+        return QuantizedKV(
+            tuple(_take(a, slice(0, 1), runs) for a in c.keys),
+            tuple(_take(a, slice(0, 1), runs) for a in c.values),
+            c.group_size,
+            c.bits,
+        )
+    if isinstance(c, ArraysCache):
+        if not state_here or c.cache[0] is None:
+            return None
+        return State(tuple(None if a is None else _copy(a[0:1]) for a in c.cache))
+    if isinstance(c, CacheList):
+        parts = tuple(_extract_single(s, start, end, state_here) for s in c.caches)
+        return None if all(p is None for p in parts) else Nested(parts)
+    return None
+
+
+def extract_blocks(cache_layers, start_token, block_size, n_blocks, *, num_tokens=None, layers=None):
+    """Payloads of blocks [start_token + i*block_size, +block_size), i < n_blocks, of a single-sequence cache.
+
+    `num_tokens` is how many tokens the cache holds (default: what its
+    attention layers say); a recurrent state goes to the block ending there,
+    and only if every attention layer agrees, so a state is never filed under
+    the wrong position. `layers` limits extraction to those layer indices.
+    Entries that cannot be extracted are None.
+    """
+    offsets = _offsets(cache_layers)
+    if num_tokens is None:
+        num_tokens = offsets[0] if offsets else None
+    state_ok = num_tokens is not None and all(o == num_tokens for o in offsets)
+    payloads = []
+    for b in range(n_blocks):
+        start = start_token + b * block_size
+        end = start + block_size
+        state_here = state_ok and end == num_tokens
+        payloads.append(
+            [
+                _extract_single(c, start, end, state_here) if layers is None or i in layers else None
+                for i, c in enumerate(cache_layers)
+            ]
+        )
+    return payloads
+
+
+# ---- one row of a batched cache ----
+
+
+def _row_tokens(c, row) -> int:
+    return c.offset[row].item()
+
+
+def _positions(c) -> int:
+    """How many positions a batched attention cache holds, in temporal order.
+
+    Rows are right-aligned: prefill chunks are finalized so every row ends at
+    the last position, and decode steps append to all rows. So token j of a
+    row holding n tokens is at position `positions - n + j`. (`left_padding`
+    is not a reliable start: `BatchRotatingKVCache.merge` of a cache that
+    has already dropped tokens sets it as if the row began in the buffer.)
+    """
+    if isinstance(c, BatchRotatingKVCache) and c.rotated:
+        return c.keys.shape[2]  # the ring is full; temporal order starts at `_idx`
+    return c._idx
+
+
+def _batch_runs(c, n, start, end):
+    if c.keys is None or end > n:
+        return None
+    total = _positions(c)
+    t0 = total - n + start
+    if t0 < 0:
+        return None  # dropped (sliding window) or never there
+    t1 = t0 + end - start
+    if not (isinstance(c, BatchRotatingKVCache) and c.rotated):
+        return [(t0, t1)]
+    # A rotated ring: position t is in slot (t + _idx) % size.
+    size = total
+    slot = (t0 + c._idx) % size
+    if slot + (t1 - t0) <= size:
+        return [(slot, slot + t1 - t0)]
+    return [(slot, size), (0, t1 - t0 - (size - slot))]
+
+
+def _batch_offsets(cache_layers, row) -> list[int]:
+    out = []
+    for c in cache_layers:
+        if isinstance(c, CacheList):
+            out += _batch_offsets(c.caches, row)
+        elif isinstance(c, (BatchKVCache, BatchRotatingKVCache)):
+            out.append(c.offset[row].item())
+    return out
+
+
+def _extract_row(c, row, start, end, state_here, seen):
+    if isinstance(c, (BatchKVCache, BatchRotatingKVCache)):
+        if id(c) not in seen:  # one device sync per layer and call, not per block
+            seen[id(c)] = _row_tokens(c, row)
+        runs = _batch_runs(c, seen[id(c)], start, end)
+        if runs is None:
+            return None
+        rows = slice(row, row + 1)
+        return KV(_take(c.keys, rows, runs), _take(c.values, rows, runs))
+    if isinstance(c, ArraysCache):
+        if not state_here or c.cache[0] is None:
+            return None
+        return State(tuple(None if a is None else _copy(a[row : row + 1]) for a in c.cache))
+    if isinstance(c, CacheList):
+        parts = tuple(_extract_row(s, row, start, end, state_here, seen) for s in c.caches)
+        return None if all(p is None for p in parts) else Nested(parts)
+    return None
+
+
+def extract_blocks_from_batch(
+    batch_cache_layers, row, start_token, block_size, n_blocks, *, num_tokens=None, layers=None
+):
+    """`extract_blocks` for one row of a BatchGenerator's batched cache.
+
+    Reads only the block's slots (mlx-lm's `extract()` copies the whole
+    sequence). Call it between prefill chunks or decode steps, not between
+    a `prepare` and its `finalize`.
+    """
+    offsets = _batch_offsets(batch_cache_layers, row)
+    if num_tokens is None:
+        num_tokens = offsets[0] if offsets else None
+    state_ok = num_tokens is not None and all(o == num_tokens for o in offsets)
+    seen = {}
+    payloads = []
+    for b in range(n_blocks):
+        start = start_token + b * block_size
+        end = start + block_size
+        state_here = state_ok and end == num_tokens
+        payloads.append(
+            [
+                _extract_row(c, row, start, end, state_here, seen) if layers is None or i in layers else None
+                for i, c in enumerate(batch_cache_layers)
+            ]
+        )
+    return payloads
+
+
+def oldest_window_token(cache_layers, row=None) -> int:
+    """The oldest token every sliding-window layer still holds (0 if none has dropped any).
+
+    Blocks before it cannot get window payloads from this cache any more.
+    """
+    oldest = 0
+    for c in cache_layers:
+        if isinstance(c, CacheList):
+            oldest = max(oldest, oldest_window_token(c.caches, row))
+        elif isinstance(c, RotatingKVCache) and c.keys is not None and c._idx < c.offset:
+            oldest = max(oldest, c.offset - (c.keys.shape[2] - c.keep))
+        elif isinstance(c, BatchRotatingKVCache) and c.keys is not None and row is not None:
+            oldest = max(oldest, _row_tokens(c, row) - _positions(c))
+    return oldest
+
+
+# ---- restore ----
+
+
+def _block_size(payloads):
+    for p in payloads:
+        for e in p:
+            while isinstance(e, Nested):
+                e = next((x for x in e.parts if isinstance(x, (KV, QuantizedKV))), None)
+            if isinstance(e, KV):
+                return e.keys.shape[2]
+            if isinstance(e, QuantizedKV):
+                return e.keys[0].shape[2]
+    return None
+
+
+def _gather(entries, block_size, ranges, pick):
+    """Concatenate `pick(entry)` over token ranges, reading only the blocks they cover."""
+    parts = []
+    for start, end in ranges:
+        for b in range(start // block_size, -(-end // block_size)):
+            e = entries[b]
+            if e is None:
+                raise ValueError(f"block {b} lacks this layer's payload")
+            lo = max(start, b * block_size) - b * block_size
+            hi = min(end, (b + 1) * block_size) - b * block_size
+            parts.append(pick(e)[..., lo:hi, :])
+    # concatenate also makes fresh arrays: a restored cache must never alias a
+    # block's arrays, whose Python objects `cache.keys[...] = x` would mutate.
+    return mx.concatenate(parts, axis=2)
+
+
+def _restore_layer(t, entries, num_tokens, block_size):
+    if isinstance(t, (KVCache, QuantizedKVCache)):
+        kinds = {type(e) for e in entries}
+        if kinds == {KV}:
+            c = KVCache()
+            c.keys = _gather(entries, block_size, [(0, num_tokens)], lambda e: e.keys)
+            c.values = _gather(entries, block_size, [(0, num_tokens)], lambda e: e.values)
+        elif kinds == {QuantizedKV}:
+            c = QuantizedKVCache(group_size=entries[0].group_size, bits=entries[0].bits)
+            r = [(0, num_tokens)]
+            c.keys = tuple(_gather(entries, block_size, r, lambda e, i=i: e.keys[i]) for i in range(3))
+            c.values = tuple(_gather(entries, block_size, r, lambda e, i=i: e.values[i]) for i in range(3))
+        else:
+            raise ValueError(f"attention layer payloads are {sorted(k.__name__ for k in kinds)}")
+        c.offset = num_tokens
+        return c
+    if isinstance(t, RotatingKVCache):
+        # Hold what the live cache would after its next in-place update: the
+        # first `keep` tokens and the last `max_size - keep`, in temporal
+        # order, with `_idx` at the end, so the next update trims or rotates
+        # exactly as it would have.
+        keep, max_size = t.keep, t.max_size
+        if num_tokens <= max_size:
+            ranges = [(0, num_tokens)]
+        else:
+            ranges = [(0, keep)] if keep else []
+            ranges.append((num_tokens - (max_size - keep), num_tokens))
+        for b in {b for s, e in ranges for b in range(s // block_size, -(-e // block_size))}:
+            if entries[b] is not None and not isinstance(entries[b], KV):
+                raise ValueError(f"sliding-window layer payload is {type(entries[b]).__name__}")
+        c = RotatingKVCache(max_size=max_size, keep=keep)
+        c.keys = _gather(entries, block_size, ranges, lambda e: e.keys)
+        c.values = _gather(entries, block_size, ranges, lambda e: e.values)
+        c.offset = num_tokens
+        c._idx = c.keys.shape[2]
+        return c
+    if isinstance(t, ArraysCache):
+        last = entries[-1]
+        if block_size is not None and num_tokens != len(entries) * block_size:
+            raise ValueError(f"a recurrent state is only kept at block ends, not at token {num_tokens}")
+        if not isinstance(last, State) or len(last.arrays) != len(t.cache):
+            raise ValueError("the block ending the prefix lacks the recurrent state")
+        c = ArraysCache(len(last.arrays))
+        c.cache = [None if a is None else mx.array(a) for a in last.arrays]
+        return c
+    if isinstance(t, CacheList):
+        subs = []
+        for j, sub in enumerate(t.caches):
+            sub_entries = [None if e is None else e.parts[j] for e in entries]
+            subs.append(_restore_layer(sub, sub_entries, num_tokens, block_size))
+        return CacheList(*subs)
+    raise TypeError(f"{type(t).__name__} layers cannot be restored from blocks")
+
+
+def restore_cache(model, payloads, num_tokens: int, *, block_size: int | None = None) -> list:
+    """A fresh single-sequence prompt cache (as `make_prompt_cache(model)` gives)
+    holding exactly the first `num_tokens` tokens' state.
+
+    `payloads` are the payloads of the blocks covering those tokens, in
+    order; sliding-window layers read only the blocks inside their window,
+    recurrent layers only the last block (which must end at `num_tokens`).
+    The result works for a `generate_step`-style loop and for
+    `BatchGenerator.insert(caches=[...])` (its `merge` takes these classes).
+    """
+    template = make_prompt_cache(model)
+    if num_tokens <= 0:
+        return template
+    block_size = block_size or _block_size(payloads)
+    n_blocks = len(payloads) if block_size is None else -(-num_tokens // block_size)
+    if len(payloads) < n_blocks:
+        raise ValueError(f"{len(payloads)} blocks cannot hold {num_tokens} tokens")
+    payloads = payloads[:n_blocks]
+    for p in payloads:
+        if len(p) != len(template):
+            raise ValueError(f"payload has {len(p)} layers, the model {len(template)}")
+    caches = [
+        _restore_layer(t, [p[i] for p in payloads], num_tokens, block_size) for i, t in enumerate(template)
+    ]
+    return caches

@@ -1,0 +1,364 @@
+"""Prefix caching over the block pool: the calls the runner makes.
+
+    match = cache.match(prompt)              # at admission; acquires blocks
+    caches = cache.restore(model, match)     # None: run uncached
+    cache.release(match)                     # restore copied what it needed
+    ... prefill prompt[match.num_tokens:] in chunks; after each chunk:
+    cache.store_from_cache(caches, tokens_in_cache, len(tokens_in_cache), hashes=match.hashes)
+
+Every entry point catches its own errors: a cache fault is counted (with
+its reason) and the request runs uncached, it never fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlxserve.cache.blocks import content_key, hash_blocks
+from mlxserve.cache.layers import (
+    extract_blocks,
+    extract_blocks_from_batch,
+    fill_missing,
+    flat_entries,
+    flat_specs,
+    layer_specs,
+    model_specs,
+    needed_blocks,
+    oldest_window_token,
+    payload_arrays,
+    restore_cache,
+    spec_kinds,
+)
+from mlxserve.cache.pool import BlockPool
+
+log = logging.getLogger(__name__)
+
+# no_match: never stored; evicted: stored, pushed out by the budget; model_mismatch:
+# stored under another model fingerprint; too_short: no full block before the
+# last token; unrestorable: blocks are cached but lack a layer's payload where a
+# restore would read it; unsupported: the model has cache layers blocks cannot hold.
+MISS_REASONS = ("no_match", "evicted", "model_mismatch", "too_short", "unrestorable", "unsupported")
+
+
+@dataclass
+class PrefixMatch:
+    blocks: list = field(default_factory=list)  # acquired: release after restore
+    num_tokens: int = 0  # tokens the restored cache holds; 0 means run uncached
+    hashes: list = field(default_factory=list)  # keys of the prompt's full blocks, for store_*
+
+
+class PrefixCache:
+    def __init__(self, pool: BlockPool, block_size: int, fingerprint: str, *, model=None):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, not {block_size}")
+        self.pool = pool
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.disabled: str | None = None  # why this model cannot be cached, if it cannot
+        if model is not None:
+            try:
+                self._check_specs(model_specs(model))
+            except ValueError as e:
+                self._disable(str(e))
+        self.queries = 0
+        self.hits = 0
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.misses = dict.fromkeys(MISS_REASONS, 0)
+        self.faults: dict[str, int] = {}
+
+    @property
+    def specs(self):
+        """Layer specs of this fingerprint's blocks (known once a model or a store told)."""
+        return self.pool.layouts.get(self.fingerprint)
+
+    def _check_specs(self, specs):
+        if None in specs:
+            raise ValueError("the model has cache layers that blocks cannot hold")
+        known = self.pool.layouts.setdefault(self.fingerprint, specs)
+        if known != specs:
+            raise ValueError(f"cache layout {specs} differs from the model's {known}")
+
+    def _disable(self, reason: str) -> None:
+        self.disabled = reason
+        log.warning("prefix cache disabled: %s", reason)
+
+    def _fault(self, where: str, error: Exception) -> None:
+        key = f"{where}: {type(error).__name__}"
+        first = key not in self.faults
+        self.faults[key] = self.faults.get(key, 0) + 1
+        (log.warning if first else log.debug)("prefix cache %s failed, running uncached: %s", where, error)
+
+    # ---- lookup ----
+
+    def match(self, token_ids, extra_keys=None) -> PrefixMatch:
+        """The longest restorable cached prefix of `token_ids`, its blocks acquired.
+
+        Leaves at least one token to prefill (the model must compute the
+        logits of the last prompt token).
+        """
+        self.queries += 1
+        self.queried_tokens += len(token_ids)
+        if self.disabled:
+            return self._miss("unsupported", [])
+        try:
+            return self._match(token_ids, extra_keys)
+        except Exception as e:  # noqa: BLE001 - a cache fault must not fail the request
+            self._fault("match", e)
+            return PrefixMatch()
+
+    def _match(self, token_ids, extra_keys) -> PrefixMatch:
+        bs = self.block_size
+        hashes = hash_blocks(token_ids, bs, fingerprint=self.fingerprint, extra_keys=extra_keys)
+        specs = self.specs
+        usable = len(token_ids) - 1
+        has_state = specs is not None and "state" in spec_kinds(specs)
+        if has_state:  # recurrent states exist at block ends only
+            best = min(len(hashes), usable // bs) * bs
+        else:  # attention layers restore at any token: the last block may be cut
+            best = min(len(hashes) * bs, usable)
+        if best <= 0:
+            return self._miss("too_short", hashes)
+        blocks = self.pool.lookup(hashes[: -(-best // bs)])
+        try:
+            num = self._restorable(blocks, specs, best) if blocks else 0
+        except Exception:
+            self.pool.release(blocks)
+            raise
+        keep = -(-num // bs)
+        self.pool.release(blocks[keep:])
+        if num == 0:
+            if blocks:
+                return self._miss("unrestorable", hashes)
+            if self.pool.was_evicted(hashes[0]):
+                return self._miss("evicted", hashes)
+            owner = self.pool.root_owner(content_key(token_ids, bs, extra_keys))
+            if owner is not None and owner != self.fingerprint:
+                return self._miss("model_mismatch", hashes)
+            return self._miss("no_match", hashes)
+        self.hits += 1
+        self.hit_tokens += num
+        return PrefixMatch(blocks[:keep], num, hashes)
+
+    def _miss(self, reason: str, hashes) -> PrefixMatch:
+        self.misses[reason] += 1
+        return PrefixMatch([], 0, hashes)
+
+    def _restorable(self, blocks, specs, best: int) -> int:
+        """The largest p <= best that every layer can be restored at from `blocks`; 0 if none.
+
+        Blocks may lack a layer's payload (sliding-window tokens stored after
+        the window had moved on; recurrent states between chunk ends), so p
+        walks back from the end to the last position whose reads are all there.
+        """
+        bs = self.block_size
+        top = min(len(blocks) * bs, best)
+        leaf_specs = flat_specs(specs)
+        gaps = [[i for i, e in enumerate(flat_entries(b.payload, specs)) if e is None] for b in blocks]
+        if not any(gaps):
+            candidates = [top]
+        else:
+            candidates = [top] + [k * bs for k in range(top // bs, 0, -1) if k * bs < top]
+        # Per layer with gaps, a running count of blocks lacking it.
+        missing = {}
+        for i in sorted({i for g in gaps for i in g}):
+            counts = [0]
+            for g in gaps:
+                counts.append(counts[-1] + (i in g))
+            missing[i] = counts
+        for p in candidates:
+            for i, spec in enumerate(leaf_specs):
+                ranges = needed_blocks(spec, p, bs)
+                if ranges is None:
+                    break
+                counts = missing.get(i)
+                if counts is not None and any(counts[b] - counts[a] for a, b in ranges):
+                    break
+            else:
+                return p
+        return 0
+
+    def restore(self, model, match: PrefixMatch):
+        """A fresh prompt cache holding `match.num_tokens` tokens, or None (run uncached)."""
+        if match.num_tokens <= 0 or not match.blocks:
+            return None
+        try:
+            payloads = [b.payload for b in match.blocks]
+            caches = restore_cache(model, payloads, match.num_tokens, block_size=self.block_size)
+            mx.eval([v for _, v in tree_flatten([c.state for c in caches]) if isinstance(v, mx.array)])
+            return caches
+        except Exception as e:  # noqa: BLE001
+            self.hit_tokens -= match.num_tokens  # counted at match, never served
+            self.hits -= 1
+            self._fault("restore", e)
+            return None
+
+    def release(self, match: PrefixMatch) -> None:
+        """Give the match's blocks back (idempotent)."""
+        blocks, match.blocks = match.blocks, []
+        try:
+            self.pool.release(blocks)
+        except Exception as e:  # noqa: BLE001
+            self._fault("release", e)
+
+    # ---- store ----
+
+    def store_from_cache(self, cache_layers, token_ids, upto_tokens: int, extra_keys=None, *, hashes=None) -> int:
+        """Store every full block of `token_ids[:upto_tokens]` not stored yet, from a single-sequence cache.
+
+        `upto_tokens` is how many tokens the cache holds. Returns how many
+        blocks were stored or completed.
+        """
+        try:
+            return self._store(cache_layers, None, token_ids, upto_tokens, extra_keys, hashes)
+        except Exception as e:  # noqa: BLE001
+            self._fault("store", e)
+            return 0
+
+    def store_from_batch(
+        self, batch_cache, row: int, token_ids, upto_tokens: int, extra_keys=None, *, hashes=None
+    ) -> int:
+        """`store_from_cache` for one row of a BatchGenerator's batched cache."""
+        try:
+            return self._store(batch_cache, row, token_ids, upto_tokens, extra_keys, hashes)
+        except Exception as e:  # noqa: BLE001
+            self._fault("store", e)
+            return 0
+
+    def _hashes(self, token_ids, n_full, extra_keys, hashes):
+        bs = self.block_size
+        have = list(hashes[:n_full]) if hashes else []
+        if len(have) < n_full:
+            have += hash_blocks(
+                token_ids[len(have) * bs : n_full * bs],
+                bs,
+                fingerprint=self.fingerprint,
+                extra_keys=extra_keys[len(have) :] if extra_keys else None,
+                parent=have[-1] if have else None,
+            )
+        return have
+
+    def _store(self, layers, row, token_ids, upto_tokens, extra_keys, hashes) -> int:
+        bs = self.block_size
+        n_full = min(upto_tokens, len(token_ids)) // bs
+        if n_full == 0 or self.disabled:
+            return 0
+        specs = layer_specs(layers)
+        if None in specs:
+            self._disable("the model has cache layers that blocks cannot hold")
+            return 0
+        self._check_specs(specs)
+        hashes = self._hashes(token_ids, n_full, extra_keys, hashes)
+
+        def extract(start, n, only=None):
+            if row is None:
+                payloads = extract_blocks(layers, start, bs, n, num_tokens=upto_tokens, layers=only)
+            else:
+                payloads = extract_blocks_from_batch(layers, row, start, bs, n, num_tokens=upto_tokens, layers=only)
+            mx.eval([a for p in payloads for a in payload_arrays(p)])
+            return payloads
+
+        # Blocks that may still get a missing payload from this cache: the
+        # block ending where the cache ends (recurrent state) and those whose
+        # tokens every sliding-window layer still holds.
+        has_window = "window" in spec_kinds(specs)
+        fill_from = -(-oldest_window_token(layers, row) // bs) if has_window else n_full - 1
+        leaf_specs = flat_specs(specs)
+        pool = self.pool
+        done = 0
+        k = 0
+        while k < n_full:
+            block = pool.get(hashes[k])
+            if block is not None:
+                if k >= fill_from and None in flat_entries(block.payload, specs):
+                    done += self._fill(block, specs, k, upto_tokens, extract)
+                k += 1
+                continue
+            end = k + 1
+            while end < n_full and hashes[end] not in pool:
+                end += 1
+            for j, payload in enumerate(extract(k * bs, end - k), start=k):
+                for spec, e in zip(leaf_specs, flat_entries(payload, specs)):
+                    if spec[0] == "full" and e is None:
+                        raise ValueError(f"the cache does not hold block {j} (tokens {j * bs}-{(j + 1) * bs})")
+                if pool.store(hashes[j], hashes[j - 1] if j else None, payload, num_tokens=bs) is None:
+                    return done  # later blocks would be unreachable orphans
+                if j == 0:
+                    pool.note_root(content_key(token_ids, bs, extra_keys), self.fingerprint)
+                done += 1
+            k = end
+        return done
+
+    def _fill(self, block, specs, k, upto_tokens, extract) -> int:
+        """Extract the layers a cached block lacks, where this cache can give them."""
+        end = (k + 1) * self.block_size
+        only = set()
+        for i, (e, spec) in enumerate(zip(block.payload, specs)):
+            leaves = zip(flat_entries([e], [spec]), flat_specs([spec]))
+            if any(le is None and (ls[0] != "state" or end == upto_tokens) for le, ls in leaves):
+                only.add(i)
+        if not only:
+            return 0
+        merged = fill_missing(block.payload, extract(k * self.block_size, 1, only)[0])
+        return int(merged is not None and self.pool.update(block.hash, merged))
+
+    # ---- reporting ----
+
+    def stats(self) -> dict:
+        s = self.pool.stats()
+        s.update(
+            block_size=self.block_size,
+            queries=self.queries,
+            hits=self.hits,
+            queried_tokens=self.queried_tokens,
+            hit_tokens=self.hit_tokens,
+            hit_rate=self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,
+            misses=dict(self.misses),
+            faults=dict(self.faults),
+            disabled=self.disabled,
+        )
+        return s
+
+
+# ---- sizes ----
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def memory_limit() -> int:
+    """Bytes MLX may use: Metal's recommended working set (or device memory), else physical RAM."""
+    try:
+        info = mx.device_info()
+    except Exception:  # noqa: BLE001 - older MLX, or a backend without it
+        info = {}
+    for key in ("max_recommended_working_set_size", "memory_size"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parse_size(value) -> int:
+    """Bytes from 4GB / 512MB / 1.5G / 1024 / 20% (of `memory_limit()`).
+
+    Units are binary (GB = GiB = 2**30), as memory sizes usually are.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, not {value}")
+        return int(value)
+    text = str(value).strip().upper().replace(" ", "")
+    if text.endswith("%"):
+        pct = float(text[:-1])
+        if not 0 <= pct <= 100:
+            raise ValueError(f"percentage must be within 0-100, not {value!r}")
+        return int(memory_limit() * pct / 100)
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)(?:I?B)?", text)
+    if not m:
+        raise ValueError(f"cannot read {value!r} as a size (e.g. 4GB, 512MB, 20%)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])

@@ -1,0 +1,124 @@
+"""The prefix cache through the engine: a hit never changes a token, and nothing leaks."""
+
+import asyncio
+import random
+
+import pytest
+
+from mlxserve.config import EngineConfig
+from mlxserve.engine.engine import AsyncEngine
+from mlxserve.engine.request import Request, SamplingParams
+
+# (shape, engine settings): gemma3-tiny has a 16-token sliding window on 3 of 4
+# layers and lfm2-tiny recurrent (short-conv) layers beside attention.
+CASES = {
+    "llama-tiny": dict(block_size=16, prefill_chunk_size=32),
+    "gemma3-tiny": dict(block_size=8, prefill_chunk_size=16),
+    "lfm2-tiny": dict(block_size=16, prefill_chunk_size=32),
+}
+
+
+def greedy(n=8):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+async def generate(engine, prompt, params):
+    tokens, last = [], None
+    async for step in engine.submit(Request(list(prompt), params)):
+        tokens += step.new_token_ids
+        last = step
+    return tokens, last.cached_tokens
+
+
+def run(engine, prompts, params=None):
+    async def go():
+        return await asyncio.gather(*(generate(engine, p, params or greedy()) for p in prompts))
+    return asyncio.run(go())
+
+
+def prompt_of(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(100, 20000) for _ in range(n)]
+
+
+@pytest.mark.parametrize("shape", list(CASES))
+def test_cache_hits_give_the_same_tokens(tiny, shape):
+    loaded = tiny(shape)
+    settings = CASES[shape]
+    shared = prompt_of(70, 1)  # longer than gemma3-tiny's window
+    first, other, partial = shared + prompt_of(5, 2), shared + prompt_of(9, 3), shared[:40] + prompt_of(20, 4)
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
+    try:
+        reference = [run(off, [p])[0][0] for p in (first, other, partial)]
+    finally:
+        off.stop()
+    for solo in (True, False):
+        on = AsyncEngine(loaded, EngineConfig(solo_fast_path=solo, **settings)).start()
+        try:
+            (cold, cold_cached), = run(on, [first])
+            (hit, hit_cached), = run(on, [first])  # the whole prompt but its last token
+            (again, other_cached), = run(on, [other])  # shares the first 70 tokens
+            (part, part_cached), = run(on, [partial])  # shares 40 tokens
+            batch = run(on, [first, other, partial, prompt_of(30, 5)])  # hits inside a batch
+        finally:
+            on.stop()
+        assert cold_cached == 0 and cold == reference[0]
+        assert hit == reference[0] and hit_cached >= 64
+        assert again == reference[1] and other_cached >= 64
+        assert part == reference[2] and 32 <= part_cached <= 40
+        assert [t for t, _ in batch[:3]] == reference
+        assert all(c > 0 for _, c in batch[:3])
+
+
+def test_second_turn_hits_the_first_turns_prompt_and_answer(tiny):
+    loaded = tiny("qwen3-tiny")
+    tok = loaded.tokenizer
+    engine = AsyncEngine(loaded, EngineConfig(block_size=16)).start()
+    try:
+        turn1 = [{"role": "system", "content": "You are a careful assistant. " * 8},
+                 {"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
+        prompt1 = tok.apply_chat_template(turn1, add_generation_prompt=True)
+        (answer, cached1), = run(engine, [prompt1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        # The next turn's prompt continues with exactly the tokens of turn 1 and its answer.
+        prompt2 = prompt1 + answer + tok.encode("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n")
+        (_, cached2), = run(engine, [prompt2])
+        assert cached1 == 0
+        # Every full block of prompt + answer whose KV exists (the last answer token was never fed).
+        assert cached2 == (len(prompt1) + len(answer) - 1) // 16 * 16
+    finally:
+        engine.stop()
+
+
+def test_budget_is_kept_and_nothing_leaks(tiny):
+    loaded = tiny("llama-tiny")
+    budget = 64 * 1024
+    engine = AsyncEngine(loaded, EngineConfig(block_size=16, cache_memory=str(budget), max_num_seqs=8)).start()
+    try:
+        rng = random.Random(0)
+        prefixes = [prompt_of(48, s) for s in range(20)]
+        prompts = [rng.choice(prefixes) + prompt_of(rng.randrange(1, 40), 1000 + i) for i in range(300)]
+        for i in range(0, len(prompts), 30):
+            run(engine, prompts[i:i + 30], greedy(2))
+        stats = asyncio.run(engine.cache_stats())
+        assert 0 < stats["bytes"] <= budget
+        assert stats["evictions"] > 0
+        assert stats["in_use_blocks"] == 0  # every request ended: only free cached blocks remain
+        assert stats["free_bytes"] == stats["bytes"]
+        assert stats["hit_tokens"] > 0
+        after = asyncio.run(engine.reset_cache())
+        assert after["blocks"] == 0 and after["bytes"] == 0
+    finally:
+        engine.stop()
+
+
+def test_a_budget_smaller_than_the_prompt_still_serves(tiny):
+    loaded = tiny("llama-tiny")
+    engine = AsyncEngine(loaded, EngineConfig(block_size=16, cache_memory="4KB")).start()
+    try:
+        prompt = prompt_of(100, 9)
+        (a, _), = run(engine, [prompt])
+        (b, cached), = run(engine, [prompt])
+        assert a == b and len(a) == 8
+        assert cached < 100
+    finally:
+        engine.stop()
