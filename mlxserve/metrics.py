@@ -9,6 +9,7 @@ MLX thread.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the route
 
 # Latencies from a few ms (small models on a GPU) to minutes (long prompts on a CPU).
@@ -51,5 +52,37 @@ class Metrics:
             Gauge("mlxserve_engine_steps", "Engine steps since start.",
                   registry=r).set_function(lambda: engine.steps)
 
+            r.register(PrefixCacheCollector(engine))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheCollector:
+    """The prefix cache's counters, read at scrape time.
+
+    Only plain integer attributes are read: the cache belongs to the MLX
+    thread, and reading an int from another thread is safe where walking its
+    dicts would not be.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        pc = self.engine.prefix_cache
+        if pc is None:
+            return
+        pool = pc.pool
+        for name, doc, value in (
+            ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", pc.queried_tokens),
+            ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.", pc.hit_tokens),
+            ("prefix_cache_evictions", "Blocks evicted to keep the byte budget.", pool.evictions),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+            ("prefix_cache_bytes", "Bytes of cached blocks in memory.", pool.nbytes),
+            ("prefix_cache_budget_bytes", "Byte budget of the prefix cache.", pool.budget),
+            ("prefix_cache_blocks", "Cached blocks in memory.", len(pool)),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)

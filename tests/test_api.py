@@ -724,3 +724,37 @@ def test_bench_serve(server, tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 4 |")]
     assert len(rows) == 2
     assert png.stat().st_size > 1000
+
+
+# ---- prefix cache ----
+
+def test_prefix_cache_is_visible_in_usage_stats_and_metrics(client, http):
+    system = {"role": "system", "content": "You answer questions about lighthouses. " * 30}
+    first = chat(client, messages=[system, {"role": "user", "content": "Who keeps it?"}], max_tokens=2, temperature=0)
+    second = chat(client, messages=[system, {"role": "user", "content": "How tall is it?"}], max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens > 200
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 150 < cached < second.usage.prompt_tokens  # the shared system prompt (in 64-token blocks), not the question
+
+    stats = http.get("/v1/cache/stats").json()["prefix_cache"]
+    assert stats["enabled"] and stats["blocks"] > 0 and 0 < stats["bytes"] <= stats["budget"]
+    assert stats["hit_tokens"] >= cached and set(stats["misses"]) >= {"no_match", "evicted", "model_mismatch", "too_short"}
+
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    hits = families["prefix_cache_hits_tokens"].samples[0].value
+    queried = families["prefix_cache_queries_tokens"].samples[0].value
+    assert hits >= cached and queried >= first.usage.prompt_tokens + second.usage.prompt_tokens
+    assert families["prefix_cache_bytes"].samples[0].value == stats["bytes"]
+
+    reset = http.post("/v1/cache/reset").json()["prefix_cache"]
+    assert reset["blocks"] == 0
+    third = chat(client, messages=[system, {"role": "user", "content": "How tall is it?"}], max_tokens=2, temperature=0)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0
+    assert third.choices[0].message.content == second.choices[0].message.content
+
+
+def test_cache_reset_needs_the_api_key(http, api_key):
+    r = http.post("/v1/cache/reset")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = http.post("/v1/cache/reset", headers={"Authorization": f"Bearer {api_key}"})
+    assert r.status_code == 200

@@ -66,6 +66,16 @@ def create_app(engine, loaded, server_cfg) -> FastAPI:
                 "mlx_lm": package_version("mlx-lm"), **backend,
                 "model": state.model_name, "fingerprint": loaded.fingerprint}
 
+    @app.get("/v1/cache/stats")
+    async def cache_stats():
+        stats = await engine.cache_stats()
+        return {"prefix_cache": {"enabled": stats is not None, **(stats or {})}}
+
+    @app.post("/v1/cache/reset")
+    async def cache_reset():
+        stats = await engine.reset_cache()
+        return {"prefix_cache": {"enabled": stats is not None, **(stats or {})}}
+
     @app.get("/metrics")
     async def metrics_text():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
