@@ -1,9 +1,10 @@
-"""Benchmarks: `mlxserve bench engine | serve`."""
+"""Benchmarks: `mlxserve bench engine | serve | prefix`."""
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import engine, serve
+    from mlxserve.bench import engine, prefix, serve
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
     serve.add_parser(sub)
+    prefix.add_parser(sub)

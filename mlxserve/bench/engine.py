@@ -134,8 +134,9 @@ def bench_model(spec: dict, args, concurrency: list[int]) -> dict:
     result = {"label": spec["label"], "name": loaded.name}
 
     def engine(solo: bool) -> AsyncEngine:
+        # No prefix cache: repeated prompts would hit it, and this measures the engine.
         return AsyncEngine(loaded, EngineConfig(max_num_seqs=max_c, solo_fast_path=solo,
-                                                max_model_len=None)).start()
+                                                prefix_cache=False)).start()
 
     solo_engine, batch_engine = engine(True), engine(False)
     try:

@@ -1,0 +1,245 @@
+"""`mlxserve bench prefix`: what the prefix cache saves, in-process.
+
+- Time to first token for a shared prefix of each length plus a new 32-token
+  suffix: on a miss with the cache off, on a miss with it on (the cost of
+  storing blocks), on a hit, and for the suffix alone (the floor a hit can
+  reach: the paper's Table 7 setting).
+- The same hit at several block sizes (hit granularity vs copy and bookkeeping).
+- A multi-turn agent trace: a long system prompt with tool definitions, a
+  growing history rendered with the model's chat template each turn (as
+  agents do), and the share of prompt tokens served from the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": name, "description": f"{desc} Returns JSON. Use it whenever the user asks about {topic}.",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "description": f"What to look up about {topic}."},
+            "limit": {"type": "integer", "description": "Most results to return."}},
+            "required": ["query"]}}}
+    for name, desc, topic in [
+        ("search_docs", "Search the project documentation.", "the documentation"),
+        ("read_file", "Read a file of the repository.", "source files"),
+        ("run_tests", "Run the test suite and report failures.", "tests"),
+        ("git_log", "Show recent commits.", "history"),
+    ]
+]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("prefix", help="Prefix cache: TTFT on miss vs hit, block sizes, an agent trace.")
+    p.add_argument("--model", default="default", help="'default', a model source, or dummy:SHAPE[:q4|:q8].")
+    p.add_argument("--prefix-lens", default="512,2048,8192", help="Shared prefix lengths, in tokens.")
+    p.add_argument("--suffix-len", type=int, default=32, help="New tokens after the shared prefix.")
+    p.add_argument("--block-sizes", default="32,64,128,256", help="Block sizes to compare (at the middle prefix length).")
+    p.add_argument("--turns", type=int, default=8, help="Turns of the agent trace (0 skips it).")
+    p.add_argument("--answer-len", type=int, default=32, help="Tokens per answer in the agent trace.")
+    p.add_argument("--repeats", type=int, default=2, help="Repeats of each timing; the best is kept.")
+    p.add_argument("--out-dir", default="benchmarks")
+    p.add_argument("--replot", metavar="JSON", help="Only redraw the PNG of an earlier result.")
+    p.set_defaults(func=lambda a: replot(a.replot) if a.replot else run(a))
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(1000, min(vocab, 100_000)) for _ in range(n)]
+
+
+async def _ttft(engine, prompt: list[int]) -> tuple[float, int]:
+    from mlxserve.engine.request import Request, SamplingParams
+
+    start = time.perf_counter()
+    async for out in engine.submit(Request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))):
+        return time.perf_counter() - start, out.cached_tokens
+    raise RuntimeError("no output")
+
+
+def ttft(engine, prompt) -> tuple[float, int]:
+    return asyncio.run(_ttft(engine, prompt))
+
+
+def measure_lengths(loaded, args, rng, vocab) -> list[dict]:
+    from mlxserve.config import EngineConfig
+    from mlxserve.engine.engine import AsyncEngine
+
+    on = AsyncEngine(loaded, EngineConfig(cache_memory="50%", max_model_len=None)).start()
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False)).start()
+    rows = []
+    try:
+        ttft(on, _tokens(rng, 64, vocab)), ttft(off, _tokens(rng, 64, vocab))  # warm up
+        for n in [int(x) for x in args.prefix_lens.split(",")]:
+            print(f"   prefix {n}", file=sys.stderr, flush=True)
+            row = {"prefix": n, "miss_off": [], "miss_on": [], "hit": [], "suffix_only": [], "cached": 0}
+            for _ in range(args.repeats):
+                row["miss_off"].append(ttft(off, _tokens(rng, n + args.suffix_len, vocab))[0])
+                prefix = _tokens(rng, n, vocab)
+                row["miss_on"].append(ttft(on, prefix + _tokens(rng, args.suffix_len, vocab))[0])
+                seconds, cached = ttft(on, prefix + _tokens(rng, args.suffix_len, vocab))
+                row["hit"].append(seconds)
+                row["cached"] = cached
+                row["suffix_only"].append(ttft(off, _tokens(rng, args.suffix_len, vocab))[0])
+            rows.append({k: min(v) if isinstance(v, list) else v for k, v in row.items()})
+    finally:
+        on.stop()
+        off.stop()
+    return rows
+
+
+def measure_block_sizes(loaded, args, rng, vocab) -> list[dict]:
+    from mlxserve.config import EngineConfig
+    from mlxserve.engine.engine import AsyncEngine
+
+    lens = [int(x) for x in args.prefix_lens.split(",")]
+    n = lens[len(lens) // 2]
+    rows = []
+    for bs in [int(x) for x in args.block_sizes.split(",")]:
+        print(f"   block size {bs}", file=sys.stderr, flush=True)
+        engine = AsyncEngine(loaded, EngineConfig(block_size=bs, cache_memory="50%")).start()
+        try:
+            ttft(engine, _tokens(rng, 64, vocab))
+            hits, misses, cached = [], [], 0
+            for _ in range(args.repeats):
+                prefix = _tokens(rng, n, vocab)
+                misses.append(ttft(engine, prefix + _tokens(rng, args.suffix_len, vocab))[0])
+                seconds, cached = ttft(engine, prefix + _tokens(rng, args.suffix_len, vocab))
+                hits.append(seconds)
+            stats = asyncio.run(engine.cache_stats())
+        finally:
+            engine.stop()
+        rows.append({"block_size": bs, "prefix": n, "miss": min(misses), "hit": min(hits), "cached": cached,
+                     "blocks": stats["blocks"], "bytes_per_token": stats["bytes"] / max(1, stats["blocks"] * bs)})
+    return rows
+
+
+def agent_trace(loaded, args) -> list[dict]:
+    """Turns of a tool-using conversation, re-rendered with the chat template each turn."""
+    from mlxserve.config import EngineConfig
+    from mlxserve.engine.engine import AsyncEngine
+    from mlxserve.engine.request import Request, SamplingParams
+    from mlxserve.llm import render_chat
+
+    tok = loaded.tokenizer
+    system = ("You are a coding agent working in a large repository. Think step by step, call tools "
+              "when you need facts, and answer concisely. " * 6)
+    messages = [{"role": "system", "content": system}]
+    questions = ["Where is the scheduler defined?", "What does it do when the queue is full?",
+                 "Which tests cover it?", "Run them.", "Why did the second one fail?",
+                 "Suggest a fix.", "Write the patch.", "Summarize the change for the commit message."]
+    engine = AsyncEngine(loaded, EngineConfig(cache_memory="50%")).start()
+    rows = []
+    try:
+        for turn in range(args.turns):
+            messages.append({"role": "user", "content": questions[turn % len(questions)]})
+            prompt = render_chat(tok, messages, tools=TOOLS)
+
+            async def one():
+                start, first, text, cached = time.perf_counter(), None, [], 0
+                params = SamplingParams(temperature=0, max_tokens=args.answer_len, ignore_eos=True)
+                async for out in engine.submit(Request(prompt, params)):
+                    first = first or time.perf_counter() - start
+                    text.append(out.new_text)
+                    cached = out.cached_tokens
+                return first, time.perf_counter() - start, "".join(text), cached
+
+            first, total, answer, cached = asyncio.run(one())
+            messages.append({"role": "assistant", "content": answer})
+            rows.append({"turn": turn + 1, "prompt": len(prompt), "cached": cached, "ttft": first, "total": total})
+    finally:
+        engine.stop()
+    return rows
+
+
+def run(args) -> int:
+    from mlxserve.bench import report
+    from mlxserve.bench.engine import _parse_model
+    from mlxserve.models.load import load
+
+    spec = _parse_model(args.model)
+    info = report.machine()
+    loaded = load(spec["source"], load_format=spec["load_format"], quantize_bits=spec["quantize_bits"])
+    vocab = loaded.config.get("vocab_size", 32000)
+    rng = random.Random(0)
+    print(f"== {spec['label']} ({loaded.name})", file=sys.stderr)
+    lengths = measure_lengths(loaded, args, rng, vocab)
+    blocks = measure_block_sizes(loaded, args, rng, vocab) if args.block_sizes else []
+    trace = agent_trace(loaded, args) if args.turns else []
+
+    command = "mlxserve bench prefix " + " ".join(sys.argv[3:])
+    md = [report.header("Prefix cache benchmark", info, command),
+          f"Model: {spec['label']} ({loaded.name}). Time to first token (TTFT) in ms, best of "
+          f"{args.repeats}; each prompt is a shared prefix plus {args.suffix_len} new tokens.\n"]
+    table = report.table(
+        ["prefix tokens", "miss, cache off", "miss, cache on", "hit", "suffix alone", "cached tokens",
+         "miss/hit", "hit/suffix"],
+        [[r["prefix"], r["miss_off"] * 1e3, r["miss_on"] * 1e3, r["hit"] * 1e3, r["suffix_only"] * 1e3,
+          r["cached"], f"{r['miss_on'] / r['hit']:.1f}x", f"{r['hit'] / r['suffix_only']:.2f}x"]
+         for r in lengths])
+    md += ["## Miss vs hit\n", table, ""]
+    if blocks:
+        md += [f"## Block size (prefix {blocks[0]['prefix']} tokens)\n", report.table(
+            ["block size", "miss ms", "hit ms", "cached tokens", "blocks stored", "bytes/token"],
+            [[b["block_size"], b["miss"] * 1e3, b["hit"] * 1e3, b["cached"], b["blocks"], b["bytes_per_token"]]
+             for b in blocks]), ""]
+    if trace:
+        total_prompt = sum(t["prompt"] for t in trace)
+        total_cached = sum(t["cached"] for t in trace)
+        md += ["## Agent trace\n", f"System prompt with {len(TOOLS)} tools, history re-rendered with the "
+               f"chat template each turn, {args.answer_len}-token answers. Hit rate over all turns: "
+               f"{total_cached / total_prompt:.1%} of prompt tokens.\n",
+               report.table(["turn", "prompt tokens", "cached tokens", "TTFT ms", "turn ms"],
+                            [[t["turn"], t["prompt"], t["cached"], t["ttft"] * 1e3, t["total"] * 1e3]
+                             for t in trace]), ""]
+    text = "\n".join(md)
+    print(text)
+    path = report.result_path("prefix", info["backend"], args.out_dir)
+    path.with_suffix(".md").write_text(text + f"\n![prefix cache]({path.name}.png)\n")
+    data = {"info": info, "results": {"lengths": lengths, "blocks": blocks, "trace": trace}}
+    report.save_json(path, data)
+    report.plot_or_defer(_plot, data["results"], path, info)
+    return 0
+
+
+def replot(json_path) -> None:
+    from mlxserve.bench import report
+
+    data = report.load_json(json_path)
+    _plot(data["results"], report.Path(json_path).with_suffix(".png"), data["info"])
+
+
+def _plot(results, png, info) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = results["lengths"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [r["prefix"] for r in lengths]
+    for key, label in (("miss_off", "miss, cache off"), ("miss_on", "miss, cache on"),
+                       ("hit", "hit"), ("suffix_only", "suffix alone")):
+        ax1.plot(xs, [r[key] * 1e3 for r in lengths], marker="o", label=label)
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("shared prefix tokens")
+    ax1.set_ylabel("time to first token, ms")
+    ax1.legend(fontsize=8)
+    trace = results["trace"]
+    if trace:
+        turns = [t["turn"] for t in trace]
+        ax2.bar(turns, [t["prompt"] for t in trace], color="lightgray", label="prompt tokens")
+        ax2.bar(turns, [t["cached"] for t in trace], color="tab:green", label="cached tokens")
+        ax2.set_xlabel("agent turn")
+        ax2.set_ylabel("tokens")
+        ax2.legend(fontsize=8)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"prefix cache, {info['backend']} ({info['device']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
