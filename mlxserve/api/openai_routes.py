@@ -225,6 +225,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     })
 
 
+def stream_error(exc: Exception) -> bytes:
+    """An error after the status line was sent travels as an SSE event, in OpenAI's shape."""
+    if not isinstance(exc, APIError):
+        log.exception("stream failed")
+        exc = APIError(500, "Internal server error.")
+    return event(error_body(exc, anthropic=False))
+
+
 async def chat_events(state: ServerState, run: Run, head: dict, n: int, logprobs: bool,
                       include_usage: bool):
     base = {**head, "object": "chat.completion.chunk"}
@@ -250,11 +258,8 @@ async def chat_events(state: ServerState, run: Run, head: dict, n: int, logprobs
                 yield chunk(i, {}, finish=out.finish_reason)
         if include_usage:
             yield event({**base, "choices": [], "usage": usage(choices, n)})
-    except APIError as e:  # the status line is gone: the error travels as an event
-        yield event(error_body(e, anthropic=False))
-    except Exception:  # noqa: BLE001 - a bug here must still end the stream properly
-        log.exception("stream failed")
-        yield event(error_body(APIError(500, "Internal server error."), anthropic=False))
+    except Exception as e:  # noqa: BLE001 - a bug here must still end the stream properly
+        yield stream_error(e)
     finally:
         run.close()
     yield DONE
@@ -378,11 +383,8 @@ async def completion_events(state: ServerState, run: Run, head: dict, n: int, ec
                 yield chunk(i, out.new_text, finish=out.finish_reason, lps=lps)
         if include_usage:
             yield event({**base, "choices": [], "usage": usage(choices, n)})
-    except APIError as e:
-        yield event(error_body(e, anthropic=False))
-    except Exception:  # noqa: BLE001 - a bug here must still end the stream properly
-        log.exception("stream failed")
-        yield event(error_body(APIError(500, "Internal server error."), anthropic=False))
+    except Exception as e:  # noqa: BLE001 - a bug here must still end the stream properly
+        yield stream_error(e)
     finally:
         run.close()
     yield DONE

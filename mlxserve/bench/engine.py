@@ -201,18 +201,14 @@ def run(args) -> int:
     text = "\n".join(md)
     print(text)
 
-    path = report.result_path("engine", info["backend"], args.out_dir)
-    path.with_suffix(".md").write_text(text + f"\n![aggregate throughput]({path.name}.png)\n")
-    report.save_json(path, {"info": info, "results": results})
-    report.plot_or_defer(_plot, results, path, info)
+    report.write_result("engine", info, text, results, _plot, args.out_dir)
     return 0
 
 
 def replot(json_path) -> None:
     from mlxserve.bench import report
 
-    data = report.load_json(json_path)
-    _plot(data["results"], report.Path(json_path).with_suffix(".png"), data["info"])
+    report.replot(json_path, _plot)
 
 
 def _plot(results, png, info) -> None:

@@ -38,6 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="default", help="'default', a model source, or dummy:SHAPE[:q4|:q8].")
     p.add_argument("--prefix-lens", default="512,2048,8192", help="Shared prefix lengths, in tokens.")
     p.add_argument("--suffix-len", type=int, default=32, help="New tokens after the shared prefix.")
+    p.add_argument("--block-size", type=int, default=None, help="Block size of the miss/hit table (default: the engine's).")
     p.add_argument("--block-sizes", default="32,64,128,256", help="Block sizes to compare (at the middle prefix length).")
     p.add_argument("--turns", type=int, default=8, help="Turns of the agent trace (0 skips it).")
     p.add_argument("--answer-len", type=int, default=32, help="Tokens per answer in the agent trace.")
@@ -68,7 +69,8 @@ def measure_lengths(loaded, args, rng, vocab) -> list[dict]:
     from mlxserve.config import EngineConfig
     from mlxserve.engine.engine import AsyncEngine
 
-    on = AsyncEngine(loaded, EngineConfig(cache_memory="50%", max_model_len=None)).start()
+    block = {"block_size": args.block_size} if args.block_size else {}
+    on = AsyncEngine(loaded, EngineConfig(cache_memory="50%", **block)).start()
     off = AsyncEngine(loaded, EngineConfig(prefix_cache=False)).start()
     rows = []
     try:
@@ -158,6 +160,7 @@ def agent_trace(loaded, args) -> list[dict]:
 def run(args) -> int:
     from mlxserve.bench import report
     from mlxserve.bench.engine import _parse_model
+    from mlxserve.config import EngineConfig
     from mlxserve.models.load import load
 
     spec = _parse_model(args.model)
@@ -173,7 +176,8 @@ def run(args) -> int:
     command = "mlxserve bench prefix " + " ".join(sys.argv[3:])
     md = [report.header("Prefix cache benchmark", info, command),
           f"Model: {spec['label']} ({loaded.name}). Time to first token (TTFT) in ms, best of "
-          f"{args.repeats}; each prompt is a shared prefix plus {args.suffix_len} new tokens.\n"]
+          f"{args.repeats}; each prompt is a shared prefix plus {args.suffix_len} new tokens; "
+          f"block size {args.block_size or EngineConfig().block_size}.\n"]
     table = report.table(
         ["prefix tokens", "miss, cache off", "miss, cache on", "hit", "suffix alone", "cached tokens",
          "miss/hit", "hit/suffix"],
@@ -197,19 +201,15 @@ def run(args) -> int:
                              for t in trace]), ""]
     text = "\n".join(md)
     print(text)
-    path = report.result_path("prefix", info["backend"], args.out_dir)
-    path.with_suffix(".md").write_text(text + f"\n![prefix cache]({path.name}.png)\n")
-    data = {"info": info, "results": {"lengths": lengths, "blocks": blocks, "trace": trace}}
-    report.save_json(path, data)
-    report.plot_or_defer(_plot, data["results"], path, info)
+    report.write_result("prefix", info, text, {"lengths": lengths, "blocks": blocks, "trace": trace},
+                        _plot, args.out_dir)
     return 0
 
 
 def replot(json_path) -> None:
     from mlxserve.bench import report
 
-    data = report.load_json(json_path)
-    _plot(data["results"], report.Path(json_path).with_suffix(".png"), data["info"])
+    report.replot(json_path, _plot)
 
 
 def _plot(results, png, info) -> None:

@@ -102,3 +102,18 @@ def plot_or_defer(plot, results, path: Path, info: dict) -> None:
         return
     plot(results, path.with_suffix(".png"), info)
     print(f"wrote {path}.md, {path}.json and {path}.png", file=sys.stderr)
+
+
+def write_result(kind: str, info: dict, text: str, results, plot, out_dir) -> Path:
+    """benchmarks/KIND-BACKEND-STAMP.{md,json,png}: the table, the raw numbers, the plot."""
+    path = result_path(kind, info["backend"], out_dir)
+    path.with_suffix(".md").write_text(text + f"\n![{kind} benchmark]({path.name}.png)\n")
+    save_json(path, {"info": info, "results": results})
+    plot_or_defer(plot, results, path, info)
+    return path
+
+
+def replot(json_path, plot) -> None:
+    """Redraw the PNG of a result from its JSON (e.g. one measured where matplotlib was missing)."""
+    data = load_json(json_path)
+    plot(data["results"], Path(json_path).with_suffix(".png"), data["info"])

@@ -307,18 +307,14 @@ def run(args) -> int:
              for i, c in enumerate(levels)])
         print("\n" + compare)
         md.append("## Side by side\n\n" + compare + "\n")
-    path = report.result_path("serve", info["backend"], args.out_dir)
-    path.with_suffix(".md").write_text("\n".join(md) + f"\n![serving benchmark]({path.name}.png)\n")
-    report.save_json(path, {"info": info, "results": runs})
-    report.plot_or_defer(plot, runs, path, info)
+    report.write_result("serve", info, "\n".join(md), runs, plot, args.out_dir)
     return 0 if all(row["failed"] == 0 for r in runs for row in r["rows"]) else 1
 
 
 def replot(json_path) -> None:
     from mlxserve.bench import report
 
-    data = report.load_json(json_path)
-    plot(data["results"], report.Path(json_path).with_suffix(".png"), data["info"])
+    report.replot(json_path, plot)
 
 
 def plot(runs: list[dict], png, info: dict) -> None:

@@ -439,7 +439,10 @@ def _gather(entries, block_size, ranges, pick):
                 raise ValueError(f"block {b} lacks this layer's payload")
             lo = max(start, b * block_size) - b * block_size
             hi = min(end, (b + 1) * block_size) - b * block_size
-            parts.append(pick(e)[..., lo:hi, :])
+            a = pick(e)
+            # A whole block goes in as it is: a slice would add a graph node per
+            # block and layer, and long prefixes have thousands of them.
+            parts.append(a if (lo, hi) == (0, a.shape[2]) else a[..., lo:hi, :])
     # concatenate also makes fresh arrays: a restored cache must never alias a
     # block's arrays, whose Python objects `cache.keys[...] = x` would mutate.
     return mx.concatenate(parts, axis=2)
