@@ -70,8 +70,11 @@ class EngineConfig:
         "Byte budget of the prefix cache's blocks in memory: e.g. 4GB, 512MB, or a share "
         "of the memory MLX may use (20%). Least recently used free blocks are evicted beyond it.",
     )
-    block_size: int = setting(
-        64, "Tokens per prefix-cache block; only full blocks are shared."
+    block_size: int | None = setting(
+        None,
+        "Tokens per prefix-cache block; only full blocks are shared. Default: 128 on the CPU "
+        "backend, 256 on a GPU, where every block costs a copy launch per layer on a hit "
+        "(see benchmarks/prefix-*).",
     )
     solo_fast_path: bool = setting(
         True,

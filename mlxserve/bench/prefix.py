@@ -160,7 +160,7 @@ def agent_trace(loaded, args) -> list[dict]:
 def run(args) -> int:
     from mlxserve.bench import report
     from mlxserve.bench.engine import _parse_model
-    from mlxserve.config import EngineConfig
+    from mlxserve.engine.engine import default_block_size
     from mlxserve.models.load import load
 
     spec = _parse_model(args.model)
@@ -177,7 +177,7 @@ def run(args) -> int:
     md = [report.header("Prefix cache benchmark", info, command),
           f"Model: {spec['label']} ({loaded.name}). Time to first token (TTFT) in ms, best of "
           f"{args.repeats}; each prompt is a shared prefix plus {args.suffix_len} new tokens; "
-          f"block size {args.block_size or EngineConfig().block_size}.\n"]
+          f"block size {args.block_size or default_block_size()}.\n"]
     table = report.table(
         ["prefix tokens", "miss, cache off", "miss, cache on", "hit", "suffix alone", "cached tokens",
          "miss/hit", "hit/suffix"],
