@@ -95,8 +95,8 @@ class SoloDecoder:
 
     def step(self) -> TokenEvent | None:
         with mx.stream(generation_stream):
-            if len(self.todo) > 1:  # prefill one chunk
-                n = min(self.chunk_size, len(self.todo) - 1)
+            if len(self.todo) > self.chunk_size:  # prefill one chunk
+                n = self.chunk_size
                 chunk = self.todo[:n]
                 self.model(mx.array(chunk)[None], cache=self.cache)
                 if self.seq.processors:
@@ -108,9 +108,13 @@ class SoloDecoder:
                 self.store_blocks()
                 return None
             if self.pending is None:
+                # The rest of the prompt fits one chunk: its forward pass ends with the
+                # logits of the last prompt token, the first output token. (generate_step
+                # runs the last token as a pass of its own: one more step of latency.)
                 self.pending = self._forward(mx.array(self.todo))
                 self.in_cache += self.todo
                 self.todo = []
+                self.store_blocks()
             return self._emit(pipeline=True)
 
     def _emit(self, pipeline: bool) -> TokenEvent:
