@@ -284,7 +284,12 @@ def extract_blocks(cache_layers, start_token, block_size, n_blocks, *, num_token
     the wrong position. `layers` limits extraction to those layer indices.
     Entries that cannot be extracted are None.
     """
-    offsets = _offsets(cache_layers)
+    return _extract_span(cache_layers, _offsets(cache_layers), start_token, block_size, n_blocks,
+                         num_tokens, layers, _extract_single)
+
+
+def _extract_span(cache_layers, offsets, start_token, block_size, n_blocks, num_tokens, layers, extract_one):
+    """Per block, per layer: extract_one(layer cache, start, end, state_here)."""
     if num_tokens is None:
         num_tokens = offsets[0] if offsets else None
     state_ok = num_tokens is not None and all(o == num_tokens for o in offsets)
@@ -295,7 +300,7 @@ def extract_blocks(cache_layers, start_token, block_size, n_blocks, *, num_token
         state_here = state_ok and end == num_tokens
         payloads.append(
             [
-                _extract_single(c, start, end, state_here) if layers is None or i in layers else None
+                extract_one(c, start, end, state_here) if layers is None or i in layers else None
                 for i, c in enumerate(cache_layers)
             ]
         )
@@ -379,23 +384,13 @@ def extract_blocks_from_batch(
     sequence). Call it between prefill chunks or decode steps, not between
     a `prepare` and its `finalize`.
     """
-    offsets = _batch_offsets(batch_cache_layers, row)
-    if num_tokens is None:
-        num_tokens = offsets[0] if offsets else None
-    state_ok = num_tokens is not None and all(o == num_tokens for o in offsets)
     seen = {}
-    payloads = []
-    for b in range(n_blocks):
-        start = start_token + b * block_size
-        end = start + block_size
-        state_here = state_ok and end == num_tokens
-        payloads.append(
-            [
-                _extract_row(c, row, start, end, state_here, seen) if layers is None or i in layers else None
-                for i, c in enumerate(batch_cache_layers)
-            ]
-        )
-    return payloads
+
+    def extract_one(c, start, end, state_here):
+        return _extract_row(c, row, start, end, state_here, seen)
+
+    return _extract_span(batch_cache_layers, _batch_offsets(batch_cache_layers, row), start_token,
+                         block_size, n_blocks, num_tokens, layers, extract_one)
 
 
 def oldest_window_token(cache_layers, row=None) -> int:
