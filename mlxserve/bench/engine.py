@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 import sys
 import time
 
@@ -60,8 +61,8 @@ def bench_generate_step(model, prompt: list[int], n: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def bench_batch_generator(model, prompts: list[list[int]], n: int, chunk: int) -> float:
-    """Aggregate tok/s of a bare BatchGenerator loop (no engine around it)."""
+def bench_batch_generator(model, prompts: list[list[int]], n: int, chunk: int) -> tuple[float, float]:
+    """Aggregate tok/s and median time to first token of a bare BatchGenerator loop."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, completion_batch_size=max(len(prompts), 1),
@@ -69,14 +70,16 @@ def bench_batch_generator(model, prompts: list[list[int]], n: int, chunk: int) -
     start = time.perf_counter()
     gen.insert([list(p) for p in prompts], max_tokens=[n] * len(prompts))
     tokens = 0
+    first = {}
     remaining = len(prompts)
     while remaining:
         for r in gen.next_generated():
             tokens += 1
+            first.setdefault(r.uid, time.perf_counter() - start)
             remaining -= r.finish_reason is not None
     elapsed = time.perf_counter() - start
     gen.close()
-    return tokens / elapsed
+    return tokens / elapsed, statistics.median(first.values())
 
 
 async def _engine_run(engine, prompts, params):
@@ -101,13 +104,15 @@ def engine_single(engine, prompt, n) -> float:
     return (len(stamps) - 1) / (stamps[-1][0] - stamps[0][0])
 
 
-def engine_aggregate(engine, prompts, n) -> float:
+def engine_aggregate(engine, prompts, n) -> tuple[float, float]:
+    """Aggregate tok/s and median time to first token of concurrent engine requests."""
     from mlxserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     start, results = asyncio.run(_engine_run(engine, prompts, params))
     end = max(s[-1][0] for s in results)
-    return sum(k for s in results for _, k in s) / (end - start)
+    ttft = statistics.median(s[0][0] - start for s in results)
+    return sum(k for s in results for _, k in s) / (end - start), ttft
 
 
 def engine_prefill(engine, prompt) -> float:
@@ -163,9 +168,9 @@ def bench_model(spec: dict, args, concurrency: list[int]) -> dict:
             # for each new shape, and whichever runs first would pay for it.
             engine_aggregate(solo_engine, prompts, 4)
             bench_batch_generator(model, prompts, 4, chunk)
-            eng = max(engine_aggregate(solo_engine, prompts, args.output_len) for _ in range(2))
-            raw = max(bench_batch_generator(model, prompts, args.output_len, chunk) for _ in range(2))
-            result["aggregate"].append((c, eng, raw))
+            eng, eng_ttft = max(engine_aggregate(solo_engine, prompts, args.output_len) for _ in range(2))
+            raw, raw_ttft = max(bench_batch_generator(model, prompts, args.output_len, chunk) for _ in range(2))
+            result["aggregate"].append((c, eng, raw, eng_ttft, raw_ttft))
 
         print("   prefill", file=sys.stderr, flush=True)
         prefill_prompt = _prompts(1, args.prefill_len, vocab, 7)[0]
@@ -195,8 +200,10 @@ def run(args) -> int:
             [[k, v, f"{v / gs:.2f}x"] for k, v in r["single"].items()]))
         md.append("")
         md.append(report.table(
-            ["concurrency", "engine tok/s", "bare BatchGenerator tok/s", "engine / bare", "engine scaling vs 1"],
-            [[c, e, b, f"{e / b:.2f}", f"{e / r['aggregate'][0][1]:.2f}x"] for c, e, b in r["aggregate"]]))
+            ["concurrency", "engine tok/s", "bare BatchGenerator tok/s", "engine / bare", "engine scaling vs 1",
+             "engine TTFT p50 ms", "bare TTFT p50 ms"],
+            [[c, e, b, f"{e / b:.2f}", f"{e / r['aggregate'][0][1]:.2f}x", *[t * 1e3 for t in rest]]
+             for c, e, b, *rest in r["aggregate"]]))
         md.append(f"\nPrefill: {r['prefill']:,.0f} tok/s ({args.prefill_len}-token prompt).\n")
     text = "\n".join(md)
     print(text)
@@ -219,9 +226,9 @@ def _plot(results, png, info) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
-        cs = [c for c, _, _ in r["aggregate"]]
-        line, = ax.plot(cs, [e for _, e, _ in r["aggregate"]], marker="o", label=f"{r['label']} engine")
-        ax.plot(cs, [b for _, _, b in r["aggregate"]], linestyle="--", color=line.get_color(),
+        cs = [row[0] for row in r["aggregate"]]
+        line, = ax.plot(cs, [row[1] for row in r["aggregate"]], marker="o", label=f"{r['label']} engine")
+        ax.plot(cs, [row[2] for row in r["aggregate"]], linestyle="--", color=line.get_color(),
                 label=f"{r['label']} bare BatchGenerator")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
