@@ -13,8 +13,9 @@ from mlxserve.api.anthropic_schema import CountTokensRequest, MessagesRequest, C
 from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
 from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect
 from mlxserve.api.openai_routes import CLIENT_CLOSED, state_of
-from mlxserve.api.sse import SSEResponse, event
+from mlxserve.api.sse import SSEResponse, dumps, event
 from mlxserve.api.tokens import render
+from mlxserve.api.tool_calls import ToolCall, ToolCallStream, anthropic_tool_use, split_text, tool_syntax
 from mlxserve.engine.request import Request as EngineRequest
 from mlxserve.engine.request import SamplingParams
 
@@ -23,15 +24,37 @@ router = APIRouter()
 
 
 def check_supported(body: Conversation) -> None:
-    if body.tools is not None or body.tool_choice is not None:
-        raise bad_request("tools: tool use is not supported on /v1/messages yet; "
-                          "use /v1/chat/completions with tools", "tools")
+    check_tools(body)
     if body.thinking is not None and (not isinstance(body.thinking, dict)
                                       or body.thinking.get("type") != "disabled"):
         raise bad_request("thinking: extended thinking is not supported", "thinking")
     if (body.output_config or {}).get("format") is not None:
         raise bad_request("output_config.format: structured output needs constrained decoding, "
                           "which this server does not do", "output_config.format")
+
+
+def check_tools(body: Conversation) -> None:
+    choice = (body.tool_choice or {}).get("type", "auto")
+    if choice not in ("auto", "none"):
+        raise bad_request(f"tool_choice: type {choice!r} forces a tool call, which needs constrained "
+                          "decoding; this server does not do it; use 'auto' or 'none'", "tool_choice")
+    for j, tool in enumerate(body.tools or []):
+        if tool.type not in (None, "custom"):
+            raise bad_request(f"tools.{j}: server tools ({tool.type!r}) are not supported; "
+                              "only client tools with an input_schema", f"tools.{j}.type")
+        # Anthropic requires an object schema: a tool's input is always a JSON object.
+        if not isinstance(tool.input_schema, dict) or tool.input_schema.get("type") != "object":
+            raise bad_request(f"tools.{j}.input_schema: must be a JSON schema of type 'object'",
+                              f"tools.{j}.input_schema.type")
+
+
+def template_tools(body: Conversation) -> list[dict] | None:
+    """Anthropic tools as the OpenAI-style function tools chat templates are written for."""
+    if not body.tools or (body.tool_choice or {}).get("type") == "none":
+        return None
+    return [{"type": "function", "function": {
+        "name": t.name, **({"description": t.description} if t.description else {}),
+        "parameters": t.input_schema}} for t in body.tools]
 
 
 def block_text(content, where: str) -> str:
@@ -41,9 +64,42 @@ def block_text(content, where: str) -> str:
     for j, block in enumerate(content):
         if block.type != "text" or block.text is None:
             raise bad_request(f"{where}.{j}: content blocks of type {block.type!r} are not "
-                              "supported; this model takes text only", f"{where}.{j}.type")
+                              "supported here; this model takes text only", f"{where}.{j}.type")
         texts.append(block.text)
     return "\n".join(texts)
+
+
+def user_messages(content, where: str) -> list[dict]:
+    """A user turn: each tool_result becomes a `tool` message, the text around it user messages."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    out, texts = [], []
+    for j, block in enumerate(content):
+        if block.type != "tool_result":
+            texts.append(block)
+            continue
+        if texts:
+            out.append({"role": "user", "content": block_text(texts, where)})
+            texts = []
+        out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                    "content": block_text(block.content or "", f"{where}.{j}.content")})
+    if texts or not out:
+        out.append({"role": "user", "content": block_text(texts, where)})
+    return out
+
+
+def assistant_message(content, where: str) -> dict:
+    """An assistant turn: its tool_use blocks become tool_calls, arguments as dicts (as templates print them)."""
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    calls = [{"id": b.id, "type": "function",
+              "function": {"name": b.name, "arguments": b.input if isinstance(b.input, dict) else {}}}
+             for b in content if b.type == "tool_use"]
+    message = {"role": "assistant",
+               "content": block_text([b for b in content if b.type != "tool_use"], where)}
+    if calls:
+        message["tool_calls"] = calls
+    return message
 
 
 def prompt_ids(state: ServerState, body: Conversation) -> tuple[list[int], bool]:
@@ -53,10 +109,15 @@ def prompt_ids(state: ServerState, body: Conversation) -> tuple[list[int], bool]
         system = body.system if isinstance(body.system, str) else "\n".join(b.text for b in body.system)
         messages.append({"role": "system", "content": system})
     for i, m in enumerate(body.messages):
-        messages.append({"role": m.role, "content": block_text(m.content, f"messages.{i}.content")})
+        where = f"messages.{i}.content"
+        if m.role == "user":
+            messages += user_messages(m.content, where)
+        else:
+            messages.append(assistant_message(m.content, where))
     # Anthropic continues a final assistant message instead of starting a new turn.
     prefill = body.messages[-1].role == "assistant"
-    return render(state.tokenizer, messages, continue_final=prefill), prefill
+    prompt = render(state.tokenizer, messages, tools=template_tools(body), continue_final=prefill)
+    return prompt, prefill
 
 
 def stop_reason(choice: Choice) -> tuple[str, str | None]:
@@ -65,6 +126,20 @@ def stop_reason(choice: Choice) -> tuple[str, str | None]:
     if isinstance(choice.stop_reason, str):
         return "stop_sequence", choice.stop_reason
     return "end_turn", None
+
+
+def with_calls(reason: tuple[str, str | None], calls: bool) -> tuple[str, str | None]:
+    # A turn that ended on its own after calling tools waits for their results.
+    return ("tool_use", None) if calls and reason[0] == "end_turn" else reason
+
+
+def response_content(choice: Choice, syntax, tools) -> tuple[list[dict], bool]:
+    """The answer's content blocks (text, then tool_use), and whether it called tools."""
+    text, calls = split_text(syntax, choice.text, tools) if syntax else (choice.text, [])
+    if not calls:
+        return [{"type": "text", "text": text}], False
+    return [*([{"type": "text", "text": text}] if text else []),
+            *(anthropic_tool_use(c) for c in calls)], True
 
 
 def usage(choice: Choice) -> dict:
@@ -98,43 +173,100 @@ async def messages(body: MessagesRequest, request: Request):
     msg_id = f"msg_{uuid.uuid4().hex}"
     run = Run(state, [EngineRequest(prompt, params, request_id=msg_id, arrival_time=arrival)], rename)
     head = {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_name}
+    tools = template_tools(body)
+    syntax = tool_syntax(state.tokenizer) if tools else None
     if body.stream:
-        return SSEResponse(message_events(run, head, len(prompt)), run)
+        stream = ToolCallStream(syntax, tools) if syntax else None
+        return SSEResponse(message_events(run, head, len(prompt), stream), run)
     try:
         (choice,) = await collect(run, request)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-    reason, sequence = stop_reason(choice)
+    content, called = response_content(choice, syntax, tools)
+    reason, sequence = with_calls(stop_reason(choice), called)
     return JSONResponse({
         **head,
-        "content": [{"type": "text", "text": choice.text}],
+        "content": content,
         "stop_reason": reason,
         "stop_sequence": sequence,
         "usage": usage(choice),
     })
 
 
-async def message_events(run: Run, head: dict, prompt_tokens: int):
+class BlockEvents:
+    """The content block events of a streamed answer: text blocks, and tool_use blocks between them.
+
+    A text block is open from the start (clients expect one before the first
+    token); a tool call closes it, is sent whole as its own block, and text
+    after it opens a new text block.
+    """
+
+    def __init__(self, stream: ToolCallStream | None):
+        self.stream = stream
+        self.index = 0
+        self.text_open = False
+        self.calls = 0
+
+    def open_text(self) -> list[bytes]:
+        self.text_open = True
+        return [event({"type": "content_block_start", "index": self.index,
+                       "content_block": {"type": "text", "text": ""}}, "content_block_start")]
+
+    def close(self) -> list[bytes]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        self.index += 1
+        return [event({"type": "content_block_stop", "index": self.index - 1}, "content_block_stop")]
+
+    def text(self, text: str) -> list[bytes]:
+        head = [] if self.text_open else self.open_text()
+        return head + [event({"type": "content_block_delta", "index": self.index,
+                              "delta": {"type": "text_delta", "text": text}}, "content_block_delta")]
+
+    def tool_use(self, call: ToolCall) -> list[bytes]:
+        block = anthropic_tool_use(call)
+        out = self.close()
+        out.append(event({"type": "content_block_start", "index": self.index,
+                          "content_block": {**block, "input": {}}}, "content_block_start"))
+        out.append(event({"type": "content_block_delta", "index": self.index, "delta": {
+            "type": "input_json_delta", "partial_json": dumps(block["input"])}}, "content_block_delta"))
+        out.append(event({"type": "content_block_stop", "index": self.index}, "content_block_stop"))
+        self.index += 1
+        self.calls += 1
+        return out
+
+    def __call__(self, text: str, finished: bool) -> list[bytes]:
+        if self.stream is None:
+            return self.text(text) if text else []
+        pieces = self.stream.feed(text) + (self.stream.finish() if finished else [])
+        out = []
+        for p in pieces:
+            out += self.tool_use(p) if isinstance(p, ToolCall) else self.text(p) if p else []
+        return out
+
+
+async def message_events(run: Run, head: dict, prompt_tokens: int, stream: ToolCallStream | None):
     # Sent before the first token, so cached tokens are not known yet; message_delta
     # carries the final input and cache counts (as Anthropic's own stream does).
     start_usage = {"input_tokens": prompt_tokens, "output_tokens": 0,
                    "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
     choice = Choice()
+    blocks = BlockEvents(stream)
     try:
         yield event({"type": "message_start", "message": {
             **head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage,
         }}, "message_start")
-        yield event({"type": "content_block_start", "index": 0,
-                     "content_block": {"type": "text", "text": ""}}, "content_block_start")
+        for e in blocks.open_text():
+            yield e
         yield event({"type": "ping"}, "ping")
         async for _, out in run:
             choice.add(out)
-            if out.new_text:
-                yield event({"type": "content_block_delta", "index": 0,
-                             "delta": {"type": "text_delta", "text": out.new_text}},
-                            "content_block_delta")
-        reason, sequence = stop_reason(choice)
-        yield event({"type": "content_block_stop", "index": 0}, "content_block_stop")
+            for e in blocks(out.new_text, out.finished):
+                yield e
+        reason, sequence = with_calls(stop_reason(choice), blocks.calls > 0)
+        for e in blocks.close():
+            yield e
         yield event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                      "usage": usage(choice)}, "message_delta")
         yield event({"type": "message_stop"}, "message_stop")

@@ -1,7 +1,7 @@
 """Request bodies of Anthropic's Messages API (pydantic).
 
-Unknown fields are ignored. Content blocks other than text, tools, extended
-thinking and structured output are declared so they can be refused with a
+Unknown fields are ignored. Content blocks other than text and tool use/results,
+server tools, extended thinking and structured output are declared so they can be refused with a
 clear 400. Current anthropic SDKs no longer send temperature/top_p/top_k
 themselves; clients pass them in `extra_body`, and they are honoured.
 """
@@ -20,11 +20,25 @@ class _Body(BaseModel):
 class ContentBlock(_Body):
     type: str
     text: str | None = None
+    # tool_use (assistant turns)
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    # tool_result (user turns): its content is text or a list of blocks
+    tool_use_id: str | None = None
+    content: str | list[ContentBlock] | None = None
 
 
 class TextBlock(_Body):
     type: Literal["text"]
     text: str
+
+
+class Tool(_Body):
+    type: str | None = None  # "custom" or absent; Anthropic's server tools are refused
+    name: str
+    description: str | None = None
+    input_schema: dict | None = None
 
 
 class Message(_Body):
@@ -36,9 +50,9 @@ class Conversation(_Body):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: dict | None = None  # auto and none are honoured; any and tool are refused
     # Declared only to be refused.
-    tools: list | None = None
-    tool_choice: Any = None
     thinking: Any = None
     output_config: dict | None = None  # its `format` (structured output) is refused
 

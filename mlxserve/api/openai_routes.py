@@ -15,6 +15,7 @@ from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect,
 from mlxserve.api.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
 from mlxserve.api.sse import DONE, SSEResponse, event
 from mlxserve.api.tokens import clamp, render
+from mlxserve.api.tool_calls import ToolCall, ToolCallStream, openai_tool_call, split_text, tool_syntax
 from mlxserve.engine.request import Request as EngineRequest
 from mlxserve.engine.request import SamplingParams
 
@@ -202,8 +203,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     n = body.n or 1
     head = {"id": api_id, "created": int(time.time()), "model": state.model_name,
             "system_fingerprint": state.loaded.fingerprint[:16]}
+    calls = ToolCalls(state.tokenizer, tools)
     if body.stream:
-        return SSEResponse(chat_events(state, run, head, n, bool(body.logprobs), include_usage), run)
+        return SSEResponse(chat_events(state, run, head, n, bool(body.logprobs), include_usage, calls),
+                           run)
     try:
         choices = await collect(run, request)
     except ClientGone:
@@ -214,15 +217,67 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                **calls.message(c),
                 "logprobs": {"content": chat_logprobs(state, c.logprobs), "refusal": None}
                 if body.logprobs else None,
-                "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(choices)
         ],
         "usage": usage(choices, n),
     })
+
+
+class ToolCalls:
+    """Turns a choice's text into OpenAI's message, with tool_calls when the model made calls.
+
+    Off (text stays content) when the request offered no tools, or the model's
+    template has no tool-call markup mlx-lm knows.
+    """
+
+    def __init__(self, tokenizer, tools):
+        self.tools = tools
+        self.syntax = tool_syntax(tokenizer) if tools else None
+
+    def message(self, choice: Choice) -> dict:
+        """The choice's `message` and `finish_reason`."""
+        text, calls = split_text(self.syntax, choice.text, self.tools) if self.syntax else (choice.text, [])
+        message = {"role": "assistant", "content": text, "refusal": None}
+        if not calls:
+            return {"message": message, "finish_reason": choice.finish_reason}
+        message["content"] = text or None  # OpenAI: null content beside tool calls
+        message["tool_calls"] = [openai_tool_call(c) for c in calls]
+        return {"message": message, "finish_reason": finish_with_calls(choice.finish_reason)}
+
+    def stream(self) -> ToolCallStream | None:
+        return ToolCallStream(self.syntax, self.tools) if self.syntax else None
+
+
+def finish_with_calls(finish_reason: str | None) -> str | None:
+    # A cut-off answer ("length") still says so: its calls were complete, the answer was not.
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+class ChatDeltas:
+    """One streamed choice's deltas: content as it comes, each tool call once it is parsed."""
+
+    def __init__(self, stream: ToolCallStream | None):
+        self.stream = stream
+        self.calls = 0
+
+    def __call__(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+        """(content to send now, tool_calls deltas to send now)."""
+        if self.stream is None:
+            return text, []
+        pieces = self.stream.feed(text) + (self.stream.finish() if finished else [])
+        deltas = []
+        for p in pieces:
+            if isinstance(p, ToolCall):
+                deltas.append(openai_tool_call(p, index=self.calls))
+                self.calls += 1
+        return "".join(p for p in pieces if isinstance(p, str)), deltas
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return finish_with_calls(finish_reason) if self.calls else finish_reason
 
 
 def stream_error(exc: Exception) -> bytes:
@@ -234,7 +289,7 @@ def stream_error(exc: Exception) -> bytes:
 
 
 async def chat_events(state: ServerState, run: Run, head: dict, n: int, logprobs: bool,
-                      include_usage: bool):
+                      include_usage: bool, calls: ToolCalls):
     base = {**head, "object": "chat.completion.chunk"}
     if include_usage:
         base["usage"] = None  # OpenAI: null on every chunk but the last
@@ -244,18 +299,22 @@ async def chat_events(state: ServerState, run: Run, head: dict, n: int, logprobs
                                            "finish_reason": finish}]})
 
     choices = [Choice() for _ in range(n)]
+    deltas = [ChatDeltas(calls.stream()) for _ in range(n)]
     try:
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
         async for i, out in run:
             choices[i].add(out)
+            text, tool_calls = deltas[i](out.new_text, out.finished)
             lps = None
             if logprobs:
                 lps = {"content": chat_logprobs(state, visible_logprobs(out)), "refusal": None}
-            if out.new_text or (lps and lps["content"]):
-                yield chunk(i, {"content": out.new_text}, lps=lps)
+            if text or (lps and lps["content"]):
+                yield chunk(i, {"content": text}, lps=lps)
+            for call in tool_calls:
+                yield chunk(i, {"tool_calls": [call]})
             if out.finished:
-                yield chunk(i, {}, finish=out.finish_reason)
+                yield chunk(i, {}, finish=deltas[i].finish_reason(out.finish_reason))
         if include_usage:
             yield event({**base, "choices": [], "usage": usage(choices, n)})
     except Exception as e:  # noqa: BLE001 - a bug here must still end the stream properly

@@ -1,0 +1,191 @@
+"""Tool calls in generated text: found with the tokenizer's own markup and parser.
+
+mlx-lm's TokenizerWrapper infers from the chat template how the model writes a
+call (for Hermes/Qwen templates: `<tool_call>{"name": ..., "arguments": ...}</tool_call>`)
+and which parser reads it; using that keeps every template mlx-lm knows working
+here. What cannot be parsed stays in the answer as plain text: a client gets
+the model's words rather than an error, and can see why no call came back.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+@dataclass
+class ToolSyntax:
+    start: str
+    end: str
+    parser: Callable  # parser(text between the markers, tools) -> dict or list of dicts
+
+
+def tool_syntax(tokenizer) -> ToolSyntax | None:
+    """The model's tool-call markup, or None if mlx-lm knows none for its template."""
+    if not getattr(tokenizer, "has_tool_calling", False) or not tokenizer.tool_call_start:
+        return None
+    return ToolSyntax(tokenizer.tool_call_start, tokenizer.tool_call_end or "", tokenizer.tool_parser)
+
+
+def _as_call(item) -> ToolCall | None:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+        return None
+    # Llama 3's templates ask for "parameters" where Hermes and Qwen say "arguments".
+    args = item.get("arguments", item.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return None
+    return ToolCall(item["name"], args) if isinstance(args, dict) else None
+
+
+def parse_calls(syntax: ToolSyntax, inner: str, tools) -> list[ToolCall] | None:
+    """The calls in one block of markup, or None if it is not a well-formed call."""
+    try:
+        parsed = syntax.parser(inner, tools)
+    except Exception:  # noqa: BLE001 - each parser raises its own errors on bad model output
+        return None
+    items = parsed if isinstance(parsed, list) else [parsed]
+    calls = [_as_call(item) for item in items]
+    return calls if calls and all(calls) else None
+
+
+class ToolCallStream:
+    """Splits generated text, fed piece by piece, into plain text and tool calls.
+
+    Text that could be the start of a call's markup is held back until it is
+    known not to be, so markup never reaches the client as content. Whitespace
+    is held too: it is dropped when a call follows, so the newline a model
+    writes before `<tool_call>` does not become the whole content of a reply.
+    An answer that opens with "{" or "[" is held whole, as it may be a call in
+    bare JSON (`bare_calls`); answers in JSON then stream only at their end.
+    """
+
+    def __init__(self, syntax: ToolSyntax, tools):
+        self.syntax = syntax
+        self.tools = tools
+        self.buffer = ""
+        self.in_call = False
+        self.saw_call = False
+        self.gap = ""  # whitespace cut before the current markup, restored if it is no call
+        # None until the answer's first character: "{" or "[" may be a call without markup.
+        self.bare: bool | None = None
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self.buffer += text
+        if self.bare is None and self.buffer.strip():
+            self.bare = self.buffer.lstrip()[0] in "{["
+        if self.bare is not False:
+            return []  # held until the answer is whole (see finish)
+        out: list[str | ToolCall] = []
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> list[str | ToolCall]:
+        """What is left when generation ends: an unfinished call is plain text."""
+        if self.bare is not False:
+            self.bare = False
+            calls = bare_calls(self.buffer, self.tools)
+            if calls:
+                self.buffer, self.saw_call = "", True
+                return calls
+            return self.feed("") + self.finish()
+        rest = self.gap + self.syntax.start + self.buffer if self.in_call else self.buffer
+        self.buffer, self.in_call, self.gap = "", False, ""
+        if self.saw_call and not rest.strip():
+            return []
+        return [rest] if rest else []
+
+    def _step(self, out: list) -> bool:
+        """Consumes what the buffer settles; True if it should be scanned again."""
+        start, end = self.syntax.start, self.syntax.end
+        if self.in_call:
+            at = self.buffer.find(end) if end else -1
+            if at < 0:
+                return False  # the call is not complete yet (or ends with the text)
+            inner, self.buffer, self.in_call = self.buffer[:at], self.buffer[at + len(end):], False
+            calls = parse_calls(self.syntax, inner, self.tools)
+            if calls is None:
+                out.append(self.gap + start + inner + end)
+            else:
+                self.saw_call = True
+                out.extend(calls)
+            return True
+        at = self.buffer.find(start)
+        if at >= 0:
+            before, self.buffer, self.in_call = self.buffer[:at], self.buffer[at + len(start):], True
+            text = before.rstrip()
+            self.gap = before[len(text):]
+            if text:
+                out.append(text)
+            return True
+        keep = _held_back(self.buffer, start)
+        if keep < len(self.buffer):
+            out.append(self.buffer[: len(self.buffer) - keep])
+            self.buffer = self.buffer[len(self.buffer) - keep:]
+        return False
+
+
+def bare_calls(text: str, tools) -> list[ToolCall] | None:
+    """Calls written as bare JSON, without the template's markup, or None.
+
+    Small models often drop the markup (Qwen2.5-Coder-0.5B answers a tool
+    request with just `{"name": ..., "arguments": ...}`). Only a whole answer
+    that is such JSON, naming tools the request offered, counts, so ordinary
+    JSON answers stay text.
+    """
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    names = {t.get("function", {}).get("name") for t in tools or []}
+    calls = [_as_call(item) for item in (parsed if isinstance(parsed, list) else [parsed])]
+    if not calls or not all(c and c.name in names for c in calls):
+        return None
+    return calls
+
+
+def _held_back(text: str, marker: str) -> int:
+    """How many trailing characters to hold: whitespace, then any start of the marker."""
+    partial = 0
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            partial = n
+            break
+    body = text[: len(text) - partial]
+    return partial + len(body) - len(body.rstrip())
+
+
+def split_text(syntax: ToolSyntax, text: str, tools) -> tuple[str, list[ToolCall]]:
+    """A whole answer as (text outside the calls, calls); the text as is if no call parsed."""
+    stream = ToolCallStream(syntax, tools)
+    pieces = stream.feed(text) + stream.finish()
+    calls = [p for p in pieces if isinstance(p, ToolCall)]
+    if not calls:
+        return text, []
+    return "".join(p for p in pieces if isinstance(p, str)).strip(), calls
+
+
+def call_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def openai_tool_call(call: ToolCall, index: int | None = None) -> dict:
+    """OpenAI's tool_calls entry; `index` is set in streamed deltas only."""
+    out = {"id": call_id("call_"), "type": "function",
+           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    return out if index is None else {"index": index, **out}
+
+
+def anthropic_tool_use(call: ToolCall) -> dict:
+    return {"type": "tool_use", "id": call_id("toolu_"), "name": call.name, "input": call.arguments}
