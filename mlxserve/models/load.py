@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxserve.models.cache import ModelLoadError
+from mlxserve.models.files import ModelLoadError
 
 DEFAULT_CONTEXT_LENGTH = 4096
 # Files a model folder needs; Hugging Face downloads fetch only these.
@@ -249,7 +249,7 @@ def save_folder(loaded: LoadedModel, out_dir) -> Path:
     """
     from mlx_lm.utils import save_config, save_model
 
-    from mlxserve.models.cache import atomic_dir
+    from mlxserve.models.files import atomic_dir
 
     out = Path(out_dir)
     with atomic_dir(out) as tmp:
