@@ -54,3 +54,24 @@ def preload_openblas() -> str | None:
         return None
     openblas_path = path
     return path
+
+
+def check_cuda_backend() -> str | None:
+    """A warning when MLX's CUDA package is installed but MLX runs on the CPU.
+
+    `mlx-cpu` and `mlx-cuda-13` both ship `mlx/lib/libmlx.so`; when pip installs
+    both (`pip install '.[cuda]'` on Linux), whichever came last wins.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        cuda_version = version("mlx-cuda-13")
+    except PackageNotFoundError:
+        return None
+    import mlx.core as mx
+
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return None
+    return (f"mlx-cuda-13 {cuda_version} is installed but MLX runs on the CPU: the CPU build's "
+            "libmlx.so replaced it. Fix: pip install --force-reinstall --no-deps "
+            f"mlx-cuda-13=={cuda_version}")

@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     ns = build_parser().parse_args(argv)
+    if ns.command in ("serve", "generate", "chat", "bench"):
+        from mlxserve._blas import check_cuda_backend
+
+        warning = check_cuda_backend()
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
     return ns.func(ns) or 0
 
 
