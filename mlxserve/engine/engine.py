@@ -193,24 +193,16 @@ class AsyncEngine:
         done = False
         try:
             while not done:
-                items = await stream.queue.get()
-                # Steps that piled up while the caller was busy go out as one output:
-                # under load, per-output work (SSE events, JSON) then shrinks with it.
-                while not stream.queue.empty():
-                    items += stream.queue.get_nowait()
-                out = None
-                for item in items:
+                for item in await stream.queue.get():
                     if isinstance(item, _Failure):
                         done = True
                         raise EngineError(item.message)
                     if item is _ABORTED:
                         done = True
-                        text = stops.flush() + detok.flush()
-                        out = out or RequestOutput(request.request_id, [], "",
-                                                   prompt_tokens=len(request.prompt_token_ids))
-                        out.new_text += text
-                        out.finish_reason = "abort"
-                        out.completion_tokens = completion_tokens
+                        yield RequestOutput(request.request_id, [], stops.flush() + detok.flush(),
+                                            finish_reason="abort",
+                                            prompt_tokens=len(request.prompt_token_ids),
+                                            completion_tokens=completion_tokens)
                         break
                     completion_tokens += 1
                     if first_token_time is None:
@@ -225,23 +217,24 @@ class AsyncEngine:
                         finish, stop_reason = "stop", stop_string
                     elif finish:
                         text += stops.flush()
-                    if out is None:
-                        out = RequestOutput(request.request_id, [], "",
-                                            logprobs=[] if params.logprobs else None,
-                                            prompt_tokens=len(request.prompt_token_ids),
-                                            first_token_time=first_token_time)
-                    out.new_token_ids.append(item.token)
-                    out.new_text += text
+                    logprobs = None
                     if params.logprobs:
-                        out.logprobs.append(TokenLogprob(item.token, item.logprob, item.top))
-                    out.finish_reason, out.stop_reason = finish, stop_reason
-                    out.completion_tokens = completion_tokens
-                    out.cached_tokens = item.cached_tokens
+                        logprobs = [TokenLogprob(item.token, item.logprob, item.top)]
+                    yield RequestOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[item.token],
+                        new_text=text,
+                        finish_reason=finish,
+                        logprobs=logprobs,
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=completion_tokens,
+                        cached_tokens=item.cached_tokens,
+                        first_token_time=first_token_time,
+                        stop_reason=stop_reason,
+                    )
                     if finish:
                         done = True
                         break
-                if out is not None:
-                    yield out
         finally:
             if self._streams.get(request.request_id) is stream:
                 if done:
