@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser, *config_classes, positional: 
     for cls in config_classes:
         for f in dataclasses.fields(cls):
             meta = f.metadata
-            kwargs = {"help": meta["help"]}
+            kwargs = {"help": meta["help"].replace("%", "%%")}  # argparse %-formats help
             if "choices" in meta:
                 kwargs["choices"] = meta["choices"]
             default = f.default

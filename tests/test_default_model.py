@@ -39,3 +39,15 @@ def test_cli_generate_prints_a_completion():
     )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat", "convert", "bench engine",
+                                     "bench serve", "bench prefix"])
+def test_cli_help_lists_the_settings(command):
+    out = subprocess.run([sys.executable, "-m", "mlxserve.cli", *command.split(), "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage: mlxserve" in out.stdout
+    if command == "serve":
+        for flag in ("--cache-memory", "--max-num-seqs", "--api-key", "--no-prefix-cache", "--load-format"):
+            assert flag in out.stdout
