@@ -81,7 +81,6 @@ class AsyncEngine:
         self.num_running = 0
         self.num_waiting = 0
         self.steps = 0  # engine steps that had work
-        self.last_step_time = time.monotonic()
 
     # ---- lifetime ----
     def start(self) -> "AsyncEngine":
@@ -343,7 +342,6 @@ class AsyncEngine:
                 )
             self.num_running = scheduler.num_running
             self.num_waiting = len(scheduler.waiting)
-            self.last_step_time = time.monotonic()
             if outbox:
                 self._publish(outbox)
 
