@@ -81,10 +81,14 @@ class SoloDecoder:
         self.context = mx.array(self.in_cache) if seq.processors and self.in_cache else None
         self.pending = None  # (token, logprobs) sampled but not yet emitted
 
+    def _extend_context(self, tokens: mx.array) -> None:
+        if self.seq.processors:
+            self.context = tokens if self.context is None else mx.concat([self.context, tokens])
+
     def _forward(self, tokens: mx.array):
         logits = self.model(tokens[None], cache=self.cache)[:, -1, :]
         if self.seq.processors:
-            self.context = tokens if self.context is None else mx.concat([self.context, tokens])
+            self._extend_context(tokens)
             for processor in self.seq.processors:
                 logits = processor(self.context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -98,10 +102,9 @@ class SoloDecoder:
             if len(self.todo) > self.chunk_size:  # prefill one chunk
                 n = self.chunk_size
                 chunk = self.todo[:n]
-                self.model(mx.array(chunk)[None], cache=self.cache)
-                if self.seq.processors:
-                    chunk_arr = mx.array(chunk)
-                    self.context = chunk_arr if self.context is None else mx.concat([self.context, chunk_arr])
+                chunk_arr = mx.array(chunk)
+                self.model(chunk_arr[None], cache=self.cache)
+                self._extend_context(chunk_arr)
                 mx.eval([c.state for c in self.cache])
                 self.in_cache += chunk
                 self.todo = self.todo[n:]
