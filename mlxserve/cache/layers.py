@@ -18,7 +18,9 @@ A block's payload is a list with one entry per layer of the model's cache:
 
 A layer's spec says what a restore at token p reads: ("full",) every block;
 ("window", max_size, keep) the blocks of the first `keep` and the last
-`max_size - keep` tokens; ("state",) the block ending at p; ("list", specs).
+`max_size - keep` tokens; ("state",) the block ending at p; ("list", specs);
+("positions",) nothing: a `PositionState` entry is per-request state that the
+runner sets, never part of a block.
 """
 
 from __future__ import annotations
@@ -58,12 +60,41 @@ class Nested(NamedTuple):
     parts: tuple
 
 
+class PositionState(ArraysCache):
+    """Per-sequence rotary position offset, carried in the cache list.
+
+    Qwen-VL's M-RoPE gives an image's tokens fewer positions than tokens, so
+    text after an image sits at `cache offset + delta` (delta <= 0). Keeping
+    delta as the last entry of the model's cache list makes mlx-lm's
+    BatchGenerator merge, filter and extend it with the batch's rows like any
+    other state. Prefix blocks never store it: a request sets its own delta
+    after its prompt (text-only requests keep 0).
+    """
+
+    def __init__(self):
+        super().__init__(1)
+
+    def deltas(self, batch_size: int) -> mx.array:
+        d = self.cache[0]
+        return mx.zeros((batch_size, 1), mx.int32) if d is None else d
+
+    def set(self, delta: int) -> None:
+        self.cache[0] = mx.array([[delta]], mx.int32)
+
+    def extract(self, idx):
+        c = PositionState()
+        c.cache = [None if a is None else a[idx : idx + 1] for a in self.cache]
+        return c
+
+
 # ---- specs ----
 
 
 def layer_spec(c):
     """The restore-relevant kind of one cache object (single or batched); None if unsupported."""
     # Exact classes first: a subclass may keep state these functions don't know.
+    if isinstance(c, PositionState):
+        return ("positions",)
     if isinstance(c, (KVCache, QuantizedKVCache, BatchKVCache)):
         return ("full",)
     if isinstance(c, RotatingKVCache):
@@ -114,6 +145,15 @@ def flat_entries(payload, specs) -> list:
     return out
 
 
+def missing_leaves(payload, specs) -> list[int]:
+    """Indices (into `flat_specs(specs)`) of the leaf layers a payload lacks."""
+    return [
+        i
+        for i, (e, s) in enumerate(zip(flat_entries(payload, specs), flat_specs(specs)))
+        if e is None and s[0] != "positions"
+    ]
+
+
 def needed_blocks(spec, num_tokens: int, block_size: int):
     """Block index ranges [a, b) that a restore at `num_tokens` reads for one layer.
 
@@ -134,6 +174,8 @@ def needed_blocks(spec, num_tokens: int, block_size: int):
         return ranges
     if kind == "state":
         return [(nb - 1, nb)] if num_tokens % block_size == 0 else None
+    if kind == "positions":
+        return []
     if kind == "list":
         ranges = []
         for sub in spec[1]:
@@ -248,6 +290,8 @@ def _offsets(cache_layers) -> list[int]:
 
 
 def _extract_single(c, start, end, state_here):
+    if isinstance(c, PositionState):
+        return None
     if isinstance(c, (KVCache, RotatingKVCache)):
         if c.keys is None or end > c.offset:
             return None
@@ -365,6 +409,8 @@ def _extract_row(c, row, start, end, state_here, seen):
             return None
         rows = slice(row, row + 1)
         return KV(_take(c.keys, rows, runs), _take(c.values, rows, runs))
+    if isinstance(c, PositionState):
+        return None
     if isinstance(c, ArraysCache):
         if not state_here or c.cache[0] is None:
             return None
@@ -444,6 +490,8 @@ def _gather(entries, block_size, ranges, pick):
 
 
 def _restore_layer(t, entries, num_tokens, block_size):
+    if isinstance(t, PositionState):
+        return PositionState()
     if isinstance(t, (KVCache, QuantizedKVCache)):
         kinds = {type(e) for e in entries}
         if kinds == {KV}:

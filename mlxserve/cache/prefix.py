@@ -26,6 +26,7 @@ from mlxserve.cache.layers import (
     extract_blocks_from_batch,
     fill_missing,
     flat_entries,
+    missing_leaves,
     flat_specs,
     layer_specs,
     model_specs,
@@ -160,7 +161,7 @@ class PrefixCache:
         bs = self.block_size
         top = min(len(blocks) * bs, best)
         leaf_specs = flat_specs(specs)
-        gaps = [[i for i, e in enumerate(flat_entries(b.payload, specs)) if e is None] for b in blocks]
+        gaps = [missing_leaves(b.payload, specs) for b in blocks]
         if not any(gaps):
             candidates = [top]
         else:
@@ -276,7 +277,7 @@ class PrefixCache:
         while k < n_full:
             block = pool.get(hashes[k])
             if block is not None:
-                if k >= fill_from and None in flat_entries(block.payload, specs):
+                if k >= fill_from and missing_leaves(block.payload, specs):
                     done += self._fill(block, specs, k, upto_tokens, extract)
                 k += 1
                 continue
@@ -301,7 +302,8 @@ class PrefixCache:
         only = set()
         for i, (e, spec) in enumerate(zip(block.payload, specs)):
             leaves = zip(flat_entries([e], [spec]), flat_specs([spec]))
-            if any(le is None and (ls[0] != "state" or end == upto_tokens) for le, ls in leaves):
+            if any(le is None and ls[0] != "positions" and (ls[0] != "state" or end == upto_tokens)
+                   for le, ls in leaves):
                 only.add(i)
         if not only:
             return 0

@@ -187,6 +187,124 @@ SHAPES = {
         "layer_types": ["conv", "full_attention", "conv", "conv"],
         "tie_word_embeddings": True,  # LFM2 always ties
     },
+    # Vision-language shapes (mlx-vlm). `preprocessor_config` is what a real
+    # folder's preprocessor_config.json holds.
+    "qwen2.5-vl-3b": {
+        "model_type": "qwen2_5_vl",
+        "hidden_size": 2048,
+        "num_hidden_layers": 36,
+        "intermediate_size": 11008,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": QWEN_VOCAB,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 128000,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "tie_word_embeddings": True,
+        "image_token_id": 151655,
+        "video_token_id": 151656,
+        "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653,
+        "vision_config": {
+            "model_type": "qwen2_5_vl",
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "out_hidden_size": 2048,
+            "num_heads": 16,
+            "patch_size": 14,
+            "spatial_patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "in_channels": 3,
+        },
+        "preprocessor_config": {
+            "min_pixels": 3136,
+            "max_pixels": 12845056,
+            "patch_size": 14,
+            "merge_size": 2,
+            "temporal_patch_size": 2,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+        },
+    },
+    "qwen2.5-vl-tiny": {
+        "model_type": "qwen2_5_vl",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": QWEN_VOCAB,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 32768,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "tie_word_embeddings": False,
+        "image_token_id": 151655,
+        "video_token_id": 151656,
+        "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653,
+        "vision_config": {
+            "model_type": "qwen2_5_vl",
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [1],
+            "in_channels": 3,
+        },
+        # Small images: at most 8x8 patches, 16 tokens.
+        "preprocessor_config": {"min_pixels": 3136, "max_pixels": 112 * 112, "patch_size": 14,
+                                "merge_size": 2, "temporal_patch_size": 2},
+    },
+    "gemma3-vl-tiny": {
+        "model_type": "gemma3",
+        # The Qwen vocabulary's vision tokens stand in for Gemma's
+        # <start_of_image>, <image_soft_token> and <end_of_image>.
+        "image_token_index": 151655,
+        "boi_token_index": 151652,
+        "eoi_token_index": 151653,
+        "mm_tokens_per_image": 16,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "gemma3_text",
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": QWEN_VOCAB,
+            "rope_global_base_freq": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0,
+            "sliding_window": 16,
+            "sliding_window_pattern": 4,
+            "mm_tokens_per_image": 16,
+            "max_position_embeddings": 4096,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "num_hidden_layers": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "patch_size": 8,
+            "image_size": 64,
+        },
+        "preprocessor_config": {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+    },
 }
 
 DESCRIPTIONS = {
@@ -200,13 +318,22 @@ DESCRIPTIONS = {
     "qwen3-tiny": "tiny Qwen3 for tests",
     "gemma3-tiny": "tiny Gemma 3, sliding window 16 on 3 of 4 layers, for tests",
     "lfm2-tiny": "tiny LFM2 hybrid (3 short-convolution layers, 1 attention layer), for tests",
+    "qwen2.5-vl-3b": "Qwen2.5-VL-3B (vision-language: 32-block ViT, M-RoPE)",
+    "qwen2.5-vl-tiny": "tiny Qwen2.5-VL for tests (images up to 112x112 px, 16 tokens)",
+    "gemma3-vl-tiny": "tiny Gemma 3 vision-language for tests (64 px SigLIP, 16 tokens, window 16)",
 }
+
+
+def text_config(c: dict) -> dict:
+    """The language model's settings (nested under `text_config` in some VLM configs)."""
+    return {**c, **c.get("text_config", {})}
 
 
 def list_shapes() -> list[tuple[str, str]]:
     """(name, description) of every named shape, for `mlxserve shapes`."""
     rows = []
     for name, c in SHAPES.items():
+        c = text_config(c)
         extra = ""
         if "sliding_window" in c:
             extra = f", sliding window {c['sliding_window']}"
@@ -274,7 +401,7 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    hidden = config["hidden_size"]
+    hidden = text_config(config)["hidden_size"]
     tied = config.get("tie_word_embeddings", True)
     # Gemma multiplies embeddings by sqrt(hidden) and its norms by (1 + w).
     gemma = config["model_type"].startswith("gemma")
@@ -297,6 +424,9 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
             w = uniform(seed, name, p.shape, 1 / math.sqrt(math.prod(p.shape[1:])))
         elif name.endswith(".bias"):
             w = uniform(seed, name, p.shape, 0.1)
+        elif name.startswith(("vision_tower.", "multi_modal_projector.")) and "norm" in name:
+            # The vision side's LayerNorms and RMSNorms; only Gemma's projector norm has the (1 + w) form.
+            w = mx.full(p.shape, 0.0 if "mm_soft_emb_norm" in name else 1.0)
         elif "norm" in name:
             gain = 1.0 if ".layers." in name else final_gain
             w = mx.full(p.shape, gain - 1 if gemma else gain)
@@ -327,10 +457,17 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
         dtype = default_dtype()
     if quantize_bits not in (None, 4, 8):
         raise ValueError(f"quantize_bits must be 4 or 8, not {quantize_bits}")
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    config.pop("preprocessor_config", None)
+    vlm = "vision_config" in config
+    if vlm:
+        from mlxserve.models.vlm import build_vlm
+
+        model = build_vlm(config)
+    else:
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
     weights = init_weights(model, config, seed, getattr(mx, dtype))
-    if hasattr(model, "sanitize"):
+    if hasattr(model, "sanitize") and not vlm:
         weights = model.sanitize(weights)
     model.load_weights(list(weights.items()))
     if quantize_bits:
@@ -339,7 +476,11 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
             model,
             group_size=group_size,
             bits=quantize_bits,
-            class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0,
+            # The vision tower stays unquantized, as mlx-vlm's converter leaves it.
+            class_predicate=lambda path, m: (
+                hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
+                and not path.startswith(("vision_tower", "multi_modal_projector"))
+            ),
         )
         config["quantization"] = {"group_size": group_size, "bits": quantize_bits, "mode": "affine"}
         config["quantization_config"] = config["quantization"]

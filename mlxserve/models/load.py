@@ -24,6 +24,16 @@ class LoadedModel:
     context_length: int  # most tokens of prompt + output
     config: dict
     source: str  # what the user passed
+    vision: Any = None  # a VisionAdapter for vision-language models (`model` is then its text half)
+
+    def with_vision(self, processor_config: dict) -> "LoadedModel":
+        """For a VLM: wrap it in its family's adapter; `model` becomes the text half."""
+        from mlxserve.models.vlm import is_vlm_config, make_adapter
+
+        if is_vlm_config(self.config) and self.vision is None:
+            self.vision = make_adapter(self.model, self.config, processor_config, self.tokenizer)
+            self.model = self.vision.text_model
+        return self
 
 
 def load(
@@ -98,6 +108,7 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
             f"{source}: not a named shape ({', '.join(SHAPES)}) nor a config.json or a folder holding one"
         ) from None
     dtype = dtype or default_dtype()
+    preprocessor = config.get("preprocessor_config", {})
     model, config = build_dummy(config, dtype=dtype, quantize_bits=quantize_bits, seed=seed)
     blob = json.dumps(
         {"config": config, "seed": seed, "dtype": dtype, "bits": quantize_bits, "init": INIT_VERSION},
@@ -106,15 +117,16 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
     name = source if source in SHAPES else Path(source).resolve().with_suffix("").name
     if name == "config":
         name = Path(source).resolve().parent.name
+    tokenizer = load_tokenizer(default_tokenizer_dir())
     return LoadedModel(
         model=model,
-        tokenizer=load_tokenizer(default_tokenizer_dir()),
+        tokenizer=tokenizer,
         fingerprint=hashlib.sha256(b"dummy\0" + blob.encode()).hexdigest(),
         name=name,
         context_length=context_length(config),
         config=config,
         source=source,
-    )
+    ).with_vision(preprocessor)
 
 
 def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits) -> LoadedModel:
@@ -122,9 +134,15 @@ def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits) -> L
     import mlx.nn as nn
     from mlx_lm.utils import load_model, load_tokenizer
 
+    from mlxserve.models.vlm import is_vlm_config, load_vlm_weights, processor_config
+
     folder = Path(folder)
     try:
-        model, config = load_model(folder)
+        config = json.loads((folder / "config.json").read_text())
+        if is_vlm_config(config):
+            model = load_vlm_weights(folder)
+        else:
+            model, config = load_model(folder)
         tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"{source}: cannot load the model folder {folder}: {e}") from e
@@ -149,7 +167,7 @@ def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits) -> L
         context_length=context_length(config),
         config=config,
         source=source,
-    )
+    ).with_vision(processor_config(folder))
 
 
 def _flat(model):

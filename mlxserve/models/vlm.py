@@ -1,0 +1,270 @@
+"""Vision-language models through mlx-vlm: one small adapter per family.
+
+mlx-vlm gives the modules (vision tower, projector, language model) and the
+image processors. mlxserve does the rest itself, because mlx-vlm's request
+loop keeps per-request state on the model object (Qwen's rope deltas) and
+embeds whole prompts at once, which rules out batching mixed requests and
+prefix caching. An adapter splits a VLM into what the engine needs:
+
+- `preprocess(image)`: pixels to the tower's input (numpy, any thread);
+- `encode(pixels)`: the vision tower for ONE image, giving the embeddings
+  its placeholder tokens take (MLX thread), so each image is cached alone;
+- `text_model`: the language model as an mlx-lm-style module
+  (`model(tokens, cache=...)` -> logits, `make_cache()`, `layers`), which
+  `BatchGenerator` batches like any text model, plus `prefill(...)` for
+  prompt chunks given as embeddings;
+- `positions(...)`: rotary positions of a prompt with images (Qwen's M-RoPE).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "gemma3")
+
+
+def is_vlm_config(config: dict) -> bool:
+    return "vision_config" in config and config.get("model_type") in VLM_FAMILIES
+
+
+@dataclass
+class ImageInput:
+    """One image, preprocessed for the tower (numpy: made off the MLX thread)."""
+
+    pixel_values: np.ndarray
+    grid_thw: tuple[int, int, int] | None  # Qwen: (t, h, w) patch grid
+    num_tokens: int  # placeholder tokens it takes in the prompt
+
+    @property
+    def nbytes(self) -> int:
+        return self.pixel_values.nbytes
+
+
+class TextModel:
+    """The language half of a VLM, shaped like an mlx-lm model for the engine."""
+
+    def __init__(self, language_model, mrope: bool):
+        self.lm = language_model
+        self.mrope = mrope
+        self.n_layers = len(language_model.layers)
+
+    @property
+    def layers(self):
+        return self.lm.layers
+
+    def make_cache(self) -> list:
+        # mlx-lm's cache classes (not mlx-vlm's copies): BatchGenerator merges
+        # them into batched caches, and the prefix cache knows how to store them.
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        from mlxserve.cache.layers import PositionState
+
+        caches = []
+        made = self.lm.make_cache() if hasattr(self.lm, "make_cache") else [None] * self.n_layers
+        for c in made:
+            if type(c).__name__ == "RotatingKVCache":
+                caches.append(RotatingKVCache(max_size=c.max_size, keep=getattr(c, "keep", 0)))
+            else:
+                caches.append(KVCache())
+        if self.mrope:
+            caches.append(PositionState())
+        return caches
+
+    def _decode_positions(self, inputs, cache):
+        """Positions of tokens after a prompt: cache offset + the row's rope delta, on all 3 M-RoPE axes."""
+        import mlx.core as mx
+
+        B, L = inputs.shape
+        offset = cache[0].offset
+        offset = mx.array(offset).reshape(-1, 1) if isinstance(offset, mx.array) else mx.full((1, 1), offset)
+        start = offset + cache[-1].deltas(B)
+        pos = start + mx.arange(L)[None]
+        return mx.broadcast_to(pos[None], (3, B, L))
+
+    def __call__(self, inputs, cache=None, positions=None, inputs_embeds=None):
+        kwargs = {}
+        if self.mrope:
+            if positions is None:
+                positions = self._decode_positions(inputs, cache) if cache is not None else None
+            kwargs["position_ids"] = positions
+        layer_cache = cache[: self.n_layers] if cache is not None else None
+        return self.lm(inputs, inputs_embeds=inputs_embeds, cache=layer_cache, **kwargs).logits
+
+
+class VisionAdapter:
+    """What every family shares; subclasses fill in the family's specifics."""
+
+    family = ""
+
+    def __init__(self, model, config: dict, processor_config: dict, tokenizer):
+        self.model = model
+        self.config = config
+        self.processor_config = processor_config
+        self.tokenizer = tokenizer
+        self.text_model = TextModel(model.language_model, mrope=self.mrope)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.convert_ids_to_tokens(token_id)
+
+    mrope = False
+    image_token_id: int
+
+    def settings_key(self) -> str:
+        """What, besides the pixels, decides an image's embeddings (part of the vision-cache key)."""
+        return json.dumps({"family": self.family, "processor": self.processor_config}, sort_keys=True)
+
+    def embed(self, token_ids, spans):
+        """Input embeddings of a prompt chunk.
+
+        `spans` are (chunk_start, features) pairs: `features` rows replace the
+        token embeddings from `chunk_start` on (image placeholder tokens).
+        """
+        import mlx.core as mx
+
+        ids = mx.array(token_ids)[None]
+        text = self.model.language_model.model.embed_tokens(ids)[0]
+        if not spans:
+            return text[None]
+        pieces, pos = [], 0
+        for start, feats in sorted(spans, key=lambda s: s[0]):
+            if start > pos:
+                pieces.append(text[pos:start])
+            pieces.append(feats.astype(text.dtype))
+            pos = start + feats.shape[0]
+        if pos < text.shape[0]:
+            pieces.append(text[pos:])
+        return mx.concatenate(pieces)[None]
+
+    def positions(self, token_ids, images):
+        """Rotary positions of a whole prompt, or None if plain (offset-based) positions are right."""
+        return None, 0
+
+
+class QwenVL(VisionAdapter):
+    """Qwen2-VL / Qwen2.5-VL: dynamic resolution, 2x2 patch merge, M-RoPE."""
+
+    family = "qwen-vl"
+    mrope = True
+
+    def __init__(self, model, config, processor_config, tokenizer):
+        super().__init__(model, config, processor_config, tokenizer)
+        from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor
+
+        vc = config["vision_config"]
+        self.image_token_id = config.get("image_token_id", 151655)
+        self._wrap = (self.token_text(config.get("vision_start_token_id", 151652)),
+                      self.token_text(self.image_token_id),
+                      self.token_text(config.get("vision_end_token_id", 151653)))
+        self.merge = vc.get("spatial_merge_size", 2)
+        pc = processor_config
+        self.image_processor = Qwen3VLImageProcessor(
+            patch_size=pc.get("patch_size", vc.get("patch_size", 14)),
+            merge_size=pc.get("merge_size", self.merge),
+            temporal_patch_size=pc.get("temporal_patch_size", vc.get("temporal_patch_size", 2)),
+            min_pixels=pc.get("min_pixels", 56 * 56),
+            max_pixels=pc.get("max_pixels", 14 * 14 * 4 * 1280),
+            image_mean=pc.get("image_mean"),
+            image_std=pc.get("image_std"),
+        )
+
+    def preprocess(self, image) -> ImageInput:
+        out = self.image_processor(images=[image])
+        grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"])[0])
+        return ImageInput(np.asarray(out["pixel_values"]), grid, math.prod(grid) // self.merge**2)
+
+    def placeholder(self, image: ImageInput) -> str:
+        start, pad, end = self._wrap
+        return start + pad * image.num_tokens + end
+
+    def encode(self, image: ImageInput):
+        import mlx.core as mx
+
+        tower = self.model.vision_tower
+        dtype = tower.patch_embed.proj.weight.dtype
+        pixels = mx.array(image.pixel_values).astype(dtype)
+        return tower(pixels, mx.array([image.grid_thw]), output_hidden_states=False)
+
+    def positions(self, token_ids, images):
+        import mlx.core as mx
+
+        grids = mx.array([im.grid_thw for im in images]) if images else None
+        pos, delta = self.model.language_model.get_rope_index(mx.array([token_ids]), grids, None, None)
+        return pos, int(delta.reshape(-1)[0].item())
+
+
+class Gemma3VL(VisionAdapter):
+    """Gemma 3: a SigLIP tower at a fixed size, pooled to `mm_tokens_per_image` soft tokens."""
+
+    family = "gemma3"
+
+    def __init__(self, model, config, processor_config, tokenizer):
+        super().__init__(model, config, processor_config, tokenizer)
+        self.image_token_id = config.get("image_token_index", 262144)
+        self._wrap = (self.token_text(config.get("boi_token_index", 255999)),
+                      self.token_text(self.image_token_id),
+                      self.token_text(config.get("eoi_token_index", 256000)))
+        self.size = config["vision_config"].get("image_size", 896)
+        self.tokens_per_image = config.get("text_config", config).get("mm_tokens_per_image", 256)
+        self.mean = np.array(processor_config.get("image_mean", [0.5, 0.5, 0.5]), np.float32)
+        self.std = np.array(processor_config.get("image_std", [0.5, 0.5, 0.5]), np.float32)
+
+    def preprocess(self, image) -> ImageInput:
+        from PIL import Image
+
+        # What Gemma3ImageProcessor does without pan-and-scan: a bilinear
+        # resize to the tower's square input, scale to [0, 1], normalize.
+        img = image.convert("RGB").resize((self.size, self.size), Image.Resampling.BILINEAR)
+        x = (np.asarray(img, np.float32) / 255.0 - self.mean) / self.std
+        return ImageInput(x.transpose(2, 0, 1)[None].copy(), None, self.tokens_per_image)
+
+    def placeholder(self, image: ImageInput) -> str:
+        start, soft, end = self._wrap
+        return "\n\n" + start + soft * image.num_tokens + end + "\n\n"
+
+    def encode(self, image: ImageInput):
+        import mlx.core as mx
+
+        m = self.model
+        dtype = m.language_model.model.embed_tokens.weight.dtype
+        pixels = mx.array(image.pixel_values).transpose(0, 2, 3, 1).astype(dtype)
+        hidden, _, _ = m.vision_tower(pixels, output_hidden_states=True)
+        feats = m.multi_modal_projector(hidden)[0]
+        # Gemma's language model scales its input embeddings by sqrt(hidden);
+        # image features enter pre-divided, as mlx-vlm's merge does.
+        return feats / math.sqrt(m.config.text_config.hidden_size)
+
+
+ADAPTERS = {"qwen2_5_vl": QwenVL, "qwen2_vl": QwenVL, "gemma3": Gemma3VL}
+
+
+def make_adapter(model, config: dict, processor_config: dict, tokenizer) -> VisionAdapter:
+    return ADAPTERS[config["model_type"]](model, config, processor_config, tokenizer)
+
+
+def load_vlm_weights(folder):
+    from mlx_vlm.utils import load_model
+
+    return load_model(Path(folder))
+
+
+def processor_config(folder) -> dict:
+    path = Path(folder) / "preprocessor_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def build_vlm(config: dict):
+    """An mlx-vlm model object for `config` (weights not loaded)."""
+    from mlx_vlm.utils import get_model_and_args
+
+    arch, _ = get_model_and_args(config)
+    model_config = arch.ModelConfig.from_dict(dict(config))
+    model_config.vision_config = arch.VisionConfig.from_dict(config["vision_config"])
+    text = dict(config.get("text_config") or config)
+    text.setdefault("model_type", config["model_type"])
+    model_config.text_config = arch.TextConfig.from_dict(text)
+    return arch.Model(model_config)
