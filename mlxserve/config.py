@@ -76,6 +76,11 @@ class EngineConfig:
         "backend, 256 on a GPU, where every block costs a copy launch per layer on a hit "
         "(see benchmarks/prefix-*).",
     )
+    vision_cache_memory: str = setting(
+        "512MB",
+        "Byte budget of the vision-embedding cache (images' projected embeddings, by pixel "
+        "content), e.g. 1GB or 5%; 0 turns it off.",
+    )
     solo_fast_path: bool = setting(
         True,
         "Decode a lone request with a lean single-sequence loop (like mlx-lm's "
@@ -98,6 +103,19 @@ class ServerConfig:
         20.0, "On SIGINT/SIGTERM, seconds in-flight requests get to finish before they are ended."
     )
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
+    allowed_local_media_path: str | None = setting(
+        None,
+        "Directories (comma-separated) whose images requests may name as file:// URLs. "
+        "Default: none, file URLs are refused.",
+    )
+    allow_private_media_urls: bool = setting(
+        False, "Let image URLs point at private, loopback and link-local addresses."
+    )
+    media_fetch_timeout: float = setting(10.0, "Seconds an image URL gets to download in full.")
+    max_media_bytes: int = setting(20 * 1024 * 1024, "Largest image accepted, in bytes (URL, data URL or file).")
+    max_image_pixels: int = setting(
+        25_000_000, "Largest image accepted, in pixels (width x height), checked before decoding."
+    )
 
 
 def _flag(name: str) -> str:

@@ -99,13 +99,13 @@ def test_budget_is_kept_and_nothing_leaks(tiny):
         prompts = [rng.choice(prefixes) + prompt_of(rng.randrange(1, 40), 1000 + i) for i in range(300)]
         for i in range(0, len(prompts), 30):
             run(engine, prompts[i:i + 30], greedy(2))
-        stats = asyncio.run(engine.cache_stats())
+        stats = asyncio.run(engine.cache_stats())["prefix_cache"]
         assert 0 < stats["bytes"] <= budget
         assert stats["evictions"] > 0
         assert stats["in_use_blocks"] == 0  # every request ended: only free cached blocks remain
         assert stats["free_bytes"] == stats["bytes"]
         assert stats["hit_tokens"] > 0
-        after = asyncio.run(engine.reset_cache())
+        after = asyncio.run(engine.reset_cache())["prefix_cache"]
         assert after["blocks"] == 0 and after["bytes"] == 0
     finally:
         engine.stop()

@@ -21,6 +21,9 @@ from mlxserve.engine.request import Request, RequestOutput, TokenLogprob
 _SHUTDOWN = object()
 
 
+from mlxserve.multimodal.media import MediaLimits  # noqa: E402 - plain Python, no MLX
+
+
 class ServerState:
     """What the routes share: the engine, the model and the server's lifecycle."""
 
@@ -32,6 +35,7 @@ class ServerState:
         self.tokenizer = loaded.tokenizer
         self.token_bytes = TokenBytes(loaded.tokenizer)
         self.model_name = server_cfg.served_model_name or loaded.name
+        self.media_limits = MediaLimits.from_config(server_cfg)
         self.started = int(time.time())
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -12,12 +13,20 @@ from fastapi.responses import JSONResponse, Response
 
 from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
 from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect, usage, visible_logprobs
-from mlxserve.api.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
+from mlxserve.api.openai_schema import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerationFields,
+    ImageURL,
+)
 from mlxserve.api.sse import DONE, SSEResponse, event
 from mlxserve.api.tokens import clamp, render
 from mlxserve.api.tool_calls import ToolCall, ToolCallStream, openai_tool_call, split_text, tool_syntax
 from mlxserve.engine.request import Request as EngineRequest
 from mlxserve.engine.request import SamplingParams
+from mlxserve.multimodal.media import MediaError
+from mlxserve.multimodal.prompt import ImagePartError, PreparedImage, image_spans, prepare_images
 
 log = logging.getLogger("mlxserve.api")
 router = APIRouter()
@@ -69,7 +78,7 @@ def sampling_params(body: GenerationFields, *, max_tokens, logprobs: bool, top_l
 
 def engine_requests(state: ServerState, body: GenerationFields, prompts: list[list[int]], *,
                     api_id: str, max_tokens, logprobs: bool, top_logprobs: int, rename: dict,
-                    arrival: float) -> list[EngineRequest]:
+                    arrival: float, images=()) -> list[EngineRequest]:
     """n requests per prompt, prompt-major, so run index == choice index.
 
     With a seed, choice j samples with seed + j: n choices with one seed would
@@ -87,7 +96,8 @@ def engine_requests(state: ServerState, body: GenerationFields, prompts: list[li
     if body.user:
         log.debug("%s: user %r", api_id, body.user)  # accepted for clients' abuse tracing
     return [
-        EngineRequest(list(ids), params[j], request_id=f"{api_id}-{i * n + j}", arrival_time=arrival)
+        EngineRequest(list(ids), params[j], request_id=f"{api_id}-{i * n + j}", arrival_time=arrival,
+                      images=list(images))
         for i, ids in enumerate(prompts)
         for j in range(n)
     ]
@@ -123,26 +133,73 @@ def check_chat_supported(body: ChatCompletionRequest) -> None:
         raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
 
 
-def message_text(content, where: str) -> str:
+def message_text(content, where: str, placeholders=None) -> str:
+    """A message's content as one string; image parts become their placeholder text."""
     if isinstance(content, str):
         return content
-    texts = []
+    out, prev_text = [], False
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
+        if part.type == "image_url" and placeholders is not None:
+            out.append(next(placeholders))
+            prev_text = False
+        elif part.type == "text" and part.text is not None:
+            out.append(("\n" if prev_text else "") + part.text)
+            prev_text = True
+        else:
+            what = "text only" if placeholders is None else "text and image_url parts"
             raise bad_request(f"{where}[{j}]: content of type {part.type!r} is not supported; "
-                              "this model takes text only", f"{where}[{j}].type")
-        texts.append(part.text)
-    return "\n".join(texts)
+                              f"this model takes {what}", f"{where}[{j}].type")
+    return "".join(out)
 
 
-def template_message(m: ChatMessage, i: int) -> dict:
+def image_sources(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """(where, url) of every image_url part, in prompt order."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.type == "image_url":
+                    where = f"messages[{i}].content[{j}]"
+                    url = part.image_url.url if isinstance(part.image_url, ImageURL) else part.image_url
+                    if not url:
+                        raise bad_request(f"{where}: image_url.url is required", f"{where}.image_url")
+                    out.append((where, url))
+    return out
+
+
+async def prepare_chat_images(state: ServerState, messages: list[ChatMessage]) -> list[PreparedImage]:
+    """Fetch, decode and preprocess a chat's images (in a thread); 400 on any bad one."""
+    sources = image_sources(messages)
+    if not sources:
+        return []
+    vision = state.loaded.vision
+    if vision is None:
+        where = sources[0][0]
+        raise bad_request(f"{where}: content of type 'image_url' is not supported; this model "
+                          "takes text only", f"{where}.type")
+    try:
+        return await asyncio.to_thread(prepare_images, vision, sources, state.media_limits)
+    except ImagePartError as e:
+        raise bad_request(str(e), e.where) from None
+
+
+def prompt_images(state: ServerState, prompt: list[int], prepared: list[PreparedImage]) -> list:
+    if not prepared:
+        return []
+    try:
+        return image_spans(prompt, state.loaded.vision.image_token_id, prepared)
+    except MediaError as e:
+        raise bad_request(f"messages: {e}", "messages") from None
+
+
+def template_message(m: ChatMessage, i: int, placeholders=None) -> dict:
     """An OpenAI message as chat templates expect it (Hugging Face conventions)."""
     where = f"messages[{i}].content"
     if m.content is None and not (m.role == "assistant" and m.tool_calls):
         raise bad_request(f"{where}: required for role {m.role!r}", where)
     out = {
         "role": "system" if m.role == "developer" else m.role,  # templates know no 'developer'
-        "content": "" if m.content is None else message_text(m.content, where),
+        "content": "" if m.content is None else message_text(m.content, where, placeholders),
     }
     if m.name:
         out["name"] = m.name
@@ -186,11 +243,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state.check_model(body.model)
     check_chat_supported(body)
     include_usage = check_stream_options(body)
-    messages = [template_message(m, i) for i, m in enumerate(body.messages)]
+    prepared = await prepare_chat_images(state, body.messages)
+    placeholders = iter([p.placeholder for p in prepared]) if state.loaded.vision is not None else None
+    messages = [template_message(m, i, placeholders) for i, m in enumerate(body.messages)]
     tools = None
     if body.tools and body.tool_choice != "none":  # 'none': the model is not told of tools
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
     prompt = render(state.tokenizer, messages, tools=tools, chat_template_kwargs=body.chat_template_kwargs)
+    images = prompt_images(state, prompt, prepared)
     use_mct = body.max_completion_tokens is not None
     rename = {"prompt": "messages", "max_tokens": "max_completion_tokens" if use_mct else "max_tokens"}
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -198,7 +258,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         state, body, [prompt], api_id=api_id,
         max_tokens=body.max_completion_tokens if use_mct else body.max_tokens,
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, rename=rename,
-        arrival=arrival)
+        arrival=arrival, images=images)
     run = Run(state, requests, rename)
     n = body.n or 1
     head = {"id": api_id, "created": int(time.time()), "model": state.model_name,

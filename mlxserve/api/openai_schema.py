@@ -20,9 +20,15 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None  # accepted; images are sized by the model's processor
+
+
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None  # some clients send the URL as a plain string
 
 
 class FunctionCall(_Body):

@@ -68,13 +68,11 @@ def create_app(engine, loaded, server_cfg) -> FastAPI:
 
     @app.get("/v1/cache/stats")
     async def cache_stats():
-        stats = await engine.cache_stats()
-        return {"prefix_cache": {"enabled": stats is not None, **(stats or {})}}
+        return await engine.cache_stats()
 
     @app.post("/v1/cache/reset")
     async def cache_reset():
-        stats = await engine.reset_cache()
-        return {"prefix_cache": {"enabled": stats is not None, **(stats or {})}}
+        return await engine.reset_cache()
 
     @app.get("/metrics")
     async def metrics_text():

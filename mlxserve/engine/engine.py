@@ -78,6 +78,7 @@ class AsyncEngine:
         self._ready = threading.Event()
         self.fatal_error: str | None = None
         self.prefix_cache = None  # a PrefixCache, made on the MLX thread when enabled
+        self.vision_cache = None  # a VisionCache, for vision-language models
         self.num_running = 0
         self.num_waiting = 0
         self.steps = 0  # engine steps that had work
@@ -155,20 +156,26 @@ class AsyncEngine:
             self._commands.put(("call", (fn, future)))
         return future
 
-    async def cache_stats(self) -> dict | None:
-        """The prefix cache's counters, or None when it is off."""
-        if not self.config.prefix_cache:
-            return None
-        return await asyncio.wrap_future(self.call(lambda: self.prefix_cache.stats()))
+    def _cache_stats(self) -> dict:
+        pc, vc = self.prefix_cache, self.vision_cache
+        stats = {"prefix_cache": {"enabled": pc is not None, **(pc.stats() if pc else {})}}
+        if self.loaded.vision is not None:
+            stats["vision_cache"] = {"enabled": vc is not None, **(vc.stats() if vc else {})}
+        return stats
 
-    async def reset_cache(self) -> dict | None:
-        """Drop every cached block not in use; returns the stats after."""
-        if not self.config.prefix_cache:
-            return None
+    async def cache_stats(self) -> dict:
+        """Counters of the prefix cache (and, for a VLM, the vision cache)."""
+        return await asyncio.wrap_future(self.call(self._cache_stats))
+
+    async def reset_cache(self) -> dict:
+        """Drop every cached block not in use and every cached image embedding; returns the stats after."""
 
         def reset():
-            self.prefix_cache.pool.reset()
-            return self.prefix_cache.stats()
+            if self.prefix_cache is not None:
+                self.prefix_cache.pool.reset()
+            if self.vision_cache is not None:
+                self.vision_cache.clear()
+            return self._cache_stats()
 
         return await asyncio.wrap_future(self.call(reset))
 
@@ -256,6 +263,13 @@ class AsyncEngine:
                 self.prefix_cache = PrefixCache(BlockPool(parse_size(cfg.cache_memory)),
                                                 cfg.block_size or default_block_size(),
                                                 self.loaded.fingerprint, model=self.loaded.model)
+            self.vision_cache = None
+            if self.loaded.vision is not None:
+                from mlxserve.cache import parse_size
+                from mlxserve.multimodal.vision_cache import VisionCache
+
+                budget = parse_size(cfg.vision_cache_memory)
+                self.vision_cache = VisionCache(budget) if budget > 0 else None
             runner = Runner(
                 self.loaded.model,
                 max_num_seqs=cfg.max_num_seqs,
@@ -263,6 +277,9 @@ class AsyncEngine:
                 prefill_batch_size=cfg.prefill_batch_size,
                 solo_fast_path=cfg.solo_fast_path,
                 prefix_cache=self.prefix_cache,
+                vision=self.loaded.vision,
+                vision_cache=self.vision_cache,
+                fingerprint=self.loaded.fingerprint,
             )
             scheduler = Scheduler(
                 runner,
@@ -333,6 +350,9 @@ class AsyncEngine:
                         outbox.setdefault(seq.request_id, []).append(
                             _Failure(f"engine step failed: {e!r}"))
                 self.steps += 1
+                for seq, message in scheduler.runner.failed:
+                    outbox.setdefault(seq.request_id, []).append(_Failure(message))
+                scheduler.runner.failed.clear()
             now = time.perf_counter()
             for ev in events:
                 outbox.setdefault(ev.seq.request_id, []).append(

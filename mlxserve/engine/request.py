@@ -9,6 +9,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_TOP_LOGPROBS = 20
 
@@ -103,6 +104,22 @@ def new_request_id(prefix: str = "req") -> str:
 
 
 @dataclass
+class PromptImage:
+    """An image in a tokenized prompt: which tokens it fills and with what.
+
+    `start` is the index of its first placeholder token in the prompt;
+    `content_hash` names its decoded pixels (the vision cache's key, and an
+    extra key of the prefix blocks it falls in); `pixels` is what the
+    model's vision tower takes (an `ImageInput`: numpy, no MLX).
+    """
+
+    content_hash: str
+    start: int
+    num_tokens: int
+    pixels: Any
+
+
+@dataclass
 class Request:
     """A tokenized generation request."""
 
@@ -110,6 +127,23 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=new_request_id)
     arrival_time: float = field(default_factory=time.perf_counter)
+    images: list[PromptImage] = field(default_factory=list)  # in prompt order
+
+    def block_extra_keys(self, block_size: int) -> list | None:
+        """Per prefix-cache block, the images whose tokens fall in it: ((hash, offset), ...).
+
+        The offset is where the image starts relative to the block, so an
+        image's blocks hit only with the same image at the same place.
+        """
+        if not self.images:
+            return None
+        n_blocks = -(-len(self.prompt_token_ids) // block_size)
+        keys = [[] for _ in range(n_blocks)]
+        for im in self.images:
+            first, last = im.start // block_size, (im.start + im.num_tokens - 1) // block_size
+            for b in range(first, min(last, n_blocks - 1) + 1):
+                keys[b].append((im.content_hash, im.start - b * block_size))
+        return [tuple(k) or None for k in keys]
 
 
 @dataclass

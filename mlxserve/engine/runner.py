@@ -14,12 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import logging
+
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxserve.engine.media import MediaPrefill
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import top_logprobs
+
+log = logging.getLogger("mlxserve.engine")
 
 
 @dataclass
@@ -36,6 +41,7 @@ class Sequence:
     uid: int | None = None  # id inside the BatchGenerator
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     block_hashes: list = field(default_factory=list)  # of the prompt's full blocks
+    extra_keys: list | None = None  # per block: the images in it (see Request.block_extra_keys)
 
     @property
     def request_id(self) -> str:
@@ -68,15 +74,16 @@ def _event(seq: Sequence, token: int, finish: str | None, row: mx.array | None) 
 class SoloDecoder:
     """One sequence, prefilled in chunks and decoded like `generate_step`."""
 
-    def __init__(self, model, seq: Sequence, chunk_size: int, cache=None, prefix_cache=None):
+    def __init__(self, model, seq: Sequence, chunk_size: int, cache=None, prefix_cache=None, prefilled=None):
         self.model = model
         self.seq = seq
         self.chunk_size = chunk_size
         self.prefix_cache = prefix_cache
         prompt = list(seq.request.prompt_token_ids)
         self.cache = cache if cache is not None else make_prompt_cache(model)
-        self.in_cache: list[int] = prompt[: seq.cached_tokens]
-        self.todo = prompt[seq.cached_tokens :]  # not yet in the cache
+        n = seq.cached_tokens if prefilled is None else prefilled  # prompt tokens already in `cache`
+        self.in_cache: list[int] = prompt[:n]
+        self.todo = prompt[n:]  # not yet in the cache
         # Tokens in the cache as an array, for penalties (logits processors).
         self.context = mx.array(self.in_cache) if seq.processors and self.in_cache else None
         self.pending = None  # (token, logprobs) sampled but not yet emitted
@@ -139,7 +146,7 @@ class SoloDecoder:
         """Hand every full block now in the cache to the prefix cache."""
         if self.prefix_cache is not None:
             self.prefix_cache.store_from_cache(self.cache, self.in_cache, len(self.in_cache),
-                                               hashes=self.seq.block_hashes)
+                                               self.seq.extra_keys, hashes=self.seq.block_hashes)
 
     def handover(self) -> tuple[TokenEvent | None, list[int], list[int]]:
         """Stop solo decoding at a token boundary.
@@ -156,9 +163,15 @@ class SoloDecoder:
 
 class Runner:
     def __init__(self, model, *, max_num_seqs: int, prefill_chunk_size: int,
-                 prefill_batch_size: int, solo_fast_path: bool = True, prefix_cache=None):
+                 prefill_batch_size: int, solo_fast_path: bool = True, prefix_cache=None,
+                 vision=None, vision_cache=None, fingerprint: str = ""):
         self.model = model
         self.prefix_cache = prefix_cache  # a PrefixCache, or None when caching is off
+        self.vision = vision  # the model's VisionAdapter, for prompts with images
+        self.vision_cache = vision_cache
+        self.fingerprint = fingerprint
+        self.media: list[MediaPrefill] = []  # prompts with images, being prefilled (in order)
+        self.failed: list[tuple[Sequence, str]] = []  # sequences that failed alone; the engine drains it
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
         self.prefill_batch_size = prefill_batch_size
@@ -177,20 +190,21 @@ class Runner:
 
     @property
     def sequences(self) -> list[Sequence]:
-        seqs = list(self.batch.values())
+        seqs = list(self.batch.values()) + [m.seq for m in self.media]
         if self.solo is not None:
             seqs.append(self.solo.seq)
         return seqs
 
     def __len__(self) -> int:
-        return len(self.batch) + (self.solo is not None)
+        return len(self.batch) + len(self.media) + (self.solo is not None)
 
     def _restore_prefix(self, seq: Sequence):
         """The longest cached prefix of the prompt as a ready cache, or None."""
         pc = self.prefix_cache
         if pc is None:
             return None
-        match = pc.match(seq.request.prompt_token_ids)
+        seq.extra_keys = seq.request.block_extra_keys(pc.block_size)
+        match = pc.match(seq.request.prompt_token_ids, seq.extra_keys)
         seq.block_hashes = match.hashes
         cache = pc.restore(self.model, match)
         pc.release(match)  # the restored cache is a copy
@@ -200,15 +214,26 @@ class Runner:
 
     def add(self, seq: Sequence) -> list[TokenEvent]:
         """Start a sequence. May return an event of a solo sequence moved into the batch."""
+        if seq.request.images and self.vision is None:
+            raise ValueError("this model takes no images")
         cache = self._restore_prefix(seq)
+        if seq.request.images:
+            self.media.append(MediaPrefill(self.vision, seq, self.prefill_chunk_size, cache,
+                                           vision_cache=self.vision_cache, fingerprint=self.fingerprint,
+                                           prefix_cache=self.prefix_cache))
+            return []
+        return self._start(seq, cache, seq.cached_tokens)
+
+    def _start(self, seq: Sequence, cache, prefilled: int) -> list[TokenEvent]:
+        """Run a sequence whose first `prefilled` prompt tokens are in `cache`."""
         if self.solo_fast_path and self.solo is None and not self.batch:
-            self.solo = SoloDecoder(self.model, seq, self.prefill_chunk_size, cache, self.prefix_cache)
+            self.solo = SoloDecoder(self.model, seq, self.prefill_chunk_size, cache, self.prefix_cache, prefilled)
             return []
         events = []
         if self.solo is not None:
             events = self._solo_to_batch()
         prompt = seq.request.prompt_token_ids
-        self._insert(seq, prompt[seq.cached_tokens:], cache, prompt[:seq.cached_tokens])
+        self._insert(seq, prompt[prefilled:], cache, prompt[:prefilled])
         return events
 
     def _solo_to_batch(self) -> list[TokenEvent]:
@@ -235,22 +260,42 @@ class Runner:
     def remove(self, seq: Sequence) -> None:
         if self.solo is not None and self.solo.seq is seq:
             self.solo = None
+        elif any(m.seq is seq for m in self.media):
+            self.media = [m for m in self.media if m.seq is not seq]
         elif seq.uid in self.batch:
             del self.batch[seq.uid]
             self.generator.remove([seq.uid])
 
     def step(self) -> list[TokenEvent]:
-        """One engine step: a decode step for all, plus one prefill chunk."""
+        """One engine step: a decode step for all, plus one prefill chunk (and one unit of image work)."""
+        events = self._media_step() if self.media else []
         if self.solo is not None:
             event = self.solo.step()
             if event is None:
-                return []
+                return events
             if event.finish_reason:
                 self.solo.store_blocks()  # generated tokens' full blocks too
                 self.solo = None
-            return [event]
+            return events + [event]
         if not self.batch:
+            return events
+        return events + self._batch_step()
+
+    def _media_step(self) -> list[TokenEvent]:
+        m = self.media[0]
+        try:
+            m.step()
+        except Exception as e:  # noqa: BLE001 - fail this request, keep the others running
+            log.exception("image prefill failed")
+            self.media.pop(0)
+            self.failed.append((m.seq, f"image processing failed: {e}"))
             return []
+        if not m.finished:
+            return []
+        self.media.pop(0)
+        return self._start(m.seq, m.cache, m.end)
+
+    def _batch_step(self) -> list[TokenEvent]:
         prompt_progress, responses = self.generator.next()
         if self.prefix_cache is not None and prompt_progress:
             self._store_prompt_blocks()
@@ -268,7 +313,7 @@ class Runner:
                 elif self.prefix_cache is not None and r.prompt_cache is not None:
                     # The finished row's cache holds prompt + output: keep its full blocks.
                     self.prefix_cache.store_from_cache(r.prompt_cache, r.all_tokens, len(r.all_tokens),
-                                                       hashes=seq.block_hashes)
+                                                       seq.extra_keys, hashes=seq.block_hashes)
             events.append(_event(seq, r.token, finish, r.logprobs))
         return events
 
@@ -285,12 +330,13 @@ class Runner:
             if seq is not None:
                 tokens = batch.tokens[row]
                 self.prefix_cache.store_from_batch(batch.prompt_cache, row, tokens, len(tokens),
-                                                   hashes=seq.block_hashes)
+                                                   seq.extra_keys, hashes=seq.block_hashes)
 
     def reset(self) -> list[Sequence]:
         """Drop every sequence (after a failed step); returns those dropped."""
         dropped = self.sequences
         self.solo = None
+        self.media.clear()
         self.batch.clear()
         self.generator.close()
         self.generator = self._new_generator()

@@ -1,0 +1,100 @@
+"""Prefill of prompts that hold images, one unit of work per engine step.
+
+A unit is one image through the vision tower (skipped when the vision cache
+has it) or one prompt chunk through the language model, fed as embeddings.
+Between units the runner decodes the other requests, so an image arriving
+mid-stream stalls them for one unit, not for the whole encode and prefill.
+
+The prompt is prefilled up to its last token; then the sequence joins the
+solo path or the batch like any text request, with its cache and (Qwen-VL)
+its rope delta set, and the last token's forward pass gives its first
+output token.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+
+class MediaPrefill:
+    def __init__(self, vision, seq, chunk_size: int, cache, *, vision_cache=None, fingerprint="",
+                 prefix_cache=None):
+        self.vision = vision
+        self.seq = seq
+        self.chunk_size = chunk_size
+        self.vision_cache = vision_cache
+        self.fingerprint = fingerprint
+        self.prefix_cache = prefix_cache
+        self.prompt = list(seq.request.prompt_token_ids)
+        self.cache = cache if cache is not None else make_prompt_cache(vision.text_model)
+        self.done = seq.cached_tokens  # prompt tokens in the cache
+        self.end = len(self.prompt) - 1  # the last token is left for the decoder
+        self.features: dict[int, mx.array] = {}  # image index -> its embeddings
+        self.positions = None
+        self.delta = 0
+        self.encoded = 0  # images run through the tower (cache misses)
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.end
+
+    def _needed(self, start: int, end: int) -> list[int]:
+        """Images with placeholder tokens in [start, end)."""
+        return [
+            i for i, im in enumerate(self.seq.request.images)
+            if im.start < end and im.start + im.num_tokens > start
+        ]
+
+    def _key(self, image) -> tuple:
+        return (self.fingerprint, image.content_hash, self.vision.settings_key())
+
+    def _encode(self, i: int) -> None:
+        image = self.seq.request.images[i]
+        key = self._key(image)
+        feats = self.vision_cache.get(key) if self.vision_cache is not None else None
+        if feats is None:
+            feats = self.vision.encode(image.pixels)
+            mx.eval(feats)
+            if feats.shape[0] != image.num_tokens:
+                raise ValueError(f"image {i} gave {feats.shape[0]} embeddings for {image.num_tokens} tokens")
+            self.encoded += 1
+            if self.vision_cache is not None:
+                self.vision_cache.put(key, feats)
+        self.features[i] = feats
+
+    def step(self) -> None:
+        """One unit of work: encode one image or prefill one chunk."""
+        with mx.stream(generation_stream):
+            if self.positions is None and self.vision.text_model.mrope:
+                images = [im.pixels for im in self.seq.request.images]
+                self.positions, self.delta = self.vision.positions(self.prompt, images)
+            start, end = self.done, min(self.done + self.chunk_size, self.end)
+            missing = [i for i in self._needed(start, end) if i not in self.features]
+            if missing:
+                self._encode(missing[0])
+            else:
+                self._prefill(start, end)
+
+    def _prefill(self, start: int, end: int) -> None:
+        if end > start:
+            spans = []
+            for i in self._needed(start, end):
+                im = self.seq.request.images[i]
+                lo, hi = max(start, im.start), min(end, im.start + im.num_tokens)
+                spans.append((lo - start, self.features[i][lo - im.start : hi - im.start]))
+            embeds = self.vision.embed(self.prompt[start:end], spans)
+            positions = None if self.positions is None else self.positions[..., start:end]
+            tokens = mx.array(self.prompt[start:end])[None]
+            self.vision.text_model(tokens, cache=self.cache, positions=positions, inputs_embeds=embeds)
+            mx.eval([c.state for c in self.cache])
+            self.done = end
+            # Images wholly before the cached part are no longer needed.
+            for i in [i for i in self.features if not self._needed(end, len(self.prompt))]:
+                del self.features[i]
+            if self.prefix_cache is not None:
+                self.prefix_cache.store_from_cache(self.cache, self.prompt, self.done,
+                                                   self.seq.extra_keys, hashes=self.seq.block_hashes)
+        if self.finished and self.vision.text_model.mrope:
+            self.cache[-1].set(self.delta)

@@ -1,0 +1,63 @@
+"""Chat messages with images -> prompt text with placeholders -> `PromptImage`s.
+
+The chat template sees each image as its family's placeholder text (Qwen:
+<|vision_start|><|image_pad|>...<|vision_end|>, one pad per image token;
+Gemma 3: <start_of_image><image_soft_token>...<end_of_image>), so any text
+template renders it. After tokenizing, each image's run of image tokens is
+found in order and checked against the image it stands for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxserve.engine.request import PromptImage
+from mlxserve.multimodal.media import MediaError, MediaLimits, load_image
+
+
+@dataclass
+class PreparedImage:
+    where: str  # the request part it came from, for error messages
+    content_hash: str
+    pixels: object  # the adapter's ImageInput
+    placeholder: str  # text standing for it in the prompt
+
+
+class ImagePartError(MediaError):
+    def __init__(self, where: str, message: str):
+        super().__init__(f"{where}: {message}")
+        self.where = where
+
+
+def prepare_images(vision, sources: list[tuple[str, str]], limits: MediaLimits) -> list[PreparedImage]:
+    """Fetch, decode, hash and preprocess each (where, url). Blocking: run it in a thread."""
+    out = []
+    for where, url in sources:
+        try:
+            loaded = load_image(url, limits)
+            pixels = vision.preprocess(loaded.image)
+        except MediaError as e:
+            raise ImagePartError(where, str(e)) from None
+        except Exception as e:  # noqa: BLE001 - the processor refusing an image (e.g. too small)
+            raise ImagePartError(where, f"the image cannot be processed: {e}") from None
+        out.append(PreparedImage(where, loaded.content_hash, pixels, vision.placeholder(pixels)))
+    return out
+
+
+def image_spans(prompt_ids: list[int], image_token_id: int, images: list[PreparedImage]) -> list[PromptImage]:
+    """The PromptImage of each image: where its run of image tokens starts in the prompt."""
+    runs = []
+    i, n = 0, len(prompt_ids)
+    while i < n:
+        if prompt_ids[i] == image_token_id:
+            j = i
+            while j < n and prompt_ids[j] == image_token_id:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    if len(runs) != len(images) or any(length != im.pixels.num_tokens for (_, length), im in zip(runs, images)):
+        raise MediaError("the prompt's image placeholder tokens do not match its images "
+                         "(does the text itself contain the model's image tokens?)")
+    return [PromptImage(im.content_hash, start, length, im.pixels) for (start, length), im in zip(runs, images)]

@@ -1,0 +1,56 @@
+"""Vision-embedding cache: an image's projected embeddings, by content, under a byte budget.
+
+Keyed by (model fingerprint, pixel hash, processor settings): the same
+picture sent as a URL, a data URL or a file is one entry, and the same
+pixels under other resize settings are another. LRU: a hit moves an entry to
+the back, and inserting evicts from the front until the budget holds. An
+entry larger than the whole budget is not kept.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class VisionCache:
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.entries: OrderedDict[tuple, object] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def get(self, key: tuple):
+        feats = self.entries.get(key)
+        if feats is None:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(key)
+        self.hits += 1
+        return feats
+
+    def put(self, key: tuple, feats) -> None:
+        size = feats.nbytes
+        if key in self.entries or size > self.budget:
+            return
+        while self.entries and self.bytes + size > self.budget:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.nbytes
+            self.evictions += 1
+        self.entries[key] = feats
+        self.bytes += size
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+    def stats(self) -> dict:
+        return {
+            "entries": len(self.entries),
+            "bytes": self.bytes,
+            "budget_bytes": self.budget,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+        }
