@@ -71,8 +71,8 @@ class PositionState(ArraysCache):
     after its prompt (text-only requests keep 0).
     """
 
-    def __init__(self):
-        super().__init__(1)
+    def __init__(self, size: int = 1, left_padding=None):  # ArraysCache.merge calls cls(size)
+        super().__init__(1, left_padding)
 
     def deltas(self, batch_size: int) -> mx.array:
         d = self.cache[0]

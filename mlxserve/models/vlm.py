@@ -171,6 +171,7 @@ class QwenVL(VisionAdapter):
             image_mean=pc.get("image_mean"),
             image_std=pc.get("image_std"),
         )
+        _guard_window_index(model.vision_tower)
 
     def preprocess(self, image) -> ImageInput:
         out = self.image_processor(images=[image])
@@ -195,6 +196,29 @@ class QwenVL(VisionAdapter):
         grids = mx.array([im.grid_thw for im in images]) if images else None
         pos, delta = self.model.language_model.get_rope_index(mx.array([token_ids]), grids, None, None)
         return pos, int(delta.reshape(-1)[0].item())
+
+
+def _guard_window_index(tower) -> None:
+    """Drop repeated window bounds from mlx-vlm's Qwen2.5-VL `get_window_index`.
+
+    For images whose merged grid is a multiple of the window (sides of
+    112 px multiples), padding windows are empty and their bound repeats.
+    mlx-vlm means to drop repeats, but tests `x not in seen` with MLX arrays,
+    which hash by identity, so none are dropped; on MLX-CUDA an empty window
+    then kills the process with a floating point exception. (Qwen2-VL's tower
+    has no windows and no such method.)
+    """
+    original = getattr(tower, "get_window_index", None)
+    if original is None:
+        return
+
+    def get_window_index(grid_thw):
+        import mlx.core as mx
+
+        index, bounds = original(grid_thw)
+        return index, mx.array(list(dict.fromkeys(bounds.tolist())), dtype=bounds.dtype)
+
+    tower.get_window_index = get_window_index
 
 
 class Gemma3VL(VisionAdapter):

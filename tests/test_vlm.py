@@ -1,0 +1,282 @@
+"""Vision-language models: image caches never change a token; images are one entry by content; bad media is a 400."""
+
+import asyncio
+import base64
+import http.server
+import io
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mlxserve.config import EngineConfig
+from mlxserve.engine.engine import AsyncEngine
+from mlxserve.engine.request import Request, SamplingParams
+from mlxserve.multimodal.media import MediaLimits
+from mlxserve.multimodal.prompt import image_spans, prepare_images
+
+VLMS = ["qwen2.5-vl-tiny", "gemma3-vl-tiny"]
+
+
+def picture(seed, size=(100, 120)):
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((*size, 3)) * 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def png_bytes(image, compress_level=6) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG", compress_level=compress_level)
+    return buf.getvalue()
+
+
+def data_url(image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+def chat_request(loaded, turns, max_tokens=6) -> Request:
+    """turns: [(role, [str or PIL image, ...])] -> an engine Request with its images."""
+    vision = loaded.vision
+    sources = [(f"part{i}", data_url(p)) for _, parts in turns for i, p in enumerate(parts) if not isinstance(p, str)]
+    prepared = iter(prepare_images(vision, sources, MediaLimits()))
+    images, messages = [], []
+    for role, parts in turns:
+        text = ""
+        for p in parts:
+            if isinstance(p, str):
+                text += p
+            else:
+                images.append(next(prepared))
+                text += images[-1].placeholder
+        messages.append({"role": role, "content": text})
+    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(list(ids), params, images=image_spans(ids, vision.image_token_id, images))
+
+
+async def generate(engine, request):
+    tokens, last = [], None
+    async for step in engine.submit(request):
+        tokens += step.new_token_ids
+        last = step
+    return tokens, last.cached_tokens
+
+
+def run(engine, *requests):
+    async def go():
+        return await asyncio.gather(*(generate(engine, r) for r in requests))
+    return asyncio.run(go())
+
+
+def fresh(req: Request) -> Request:
+    return Request(req.prompt_token_ids, req.params, images=req.images)
+
+
+@pytest.mark.parametrize("shape", VLMS)
+def test_image_caches_never_change_tokens(tiny, shape):
+    loaded = tiny(shape)
+    a, b = picture(1), picture(2, (90, 80))
+    turn1 = [("user", [a, "What is in this picture?"])]
+    turn2 = turn1 + [("assistant", ["A lighthouse on a cliff."]), ("user", [b, "And in this one, compared to the first?"])]
+    text_only = [("user", ["No picture here, just a question about lighthouses."])]
+    r1, r2, rt = (chat_request(loaded, t) for t in (turn1, turn2, text_only))
+    assert len(r1.images) == 1 and len(r2.images) == 2 and r2.images[0].start == r1.images[0].start
+    settings = dict(block_size=16, prefill_chunk_size=24)
+
+    def engine(**kw):
+        return AsyncEngine(loaded, EngineConfig(**settings, **kw)).start()
+
+    off = engine(prefix_cache=False, vision_cache_memory="0")
+    try:
+        ref1, ref2, reft = ([t for t, _ in run(off, fresh(r))][0] for r in (r1, r2, rt))
+    finally:
+        off.stop()
+
+    embeddings_only = engine(prefix_cache=False)
+    try:
+        assert run(embeddings_only, fresh(r1))[0][0] == ref1
+        assert run(embeddings_only, fresh(r1))[0][0] == ref1  # image A's embeddings from the cache
+        assert run(embeddings_only, fresh(r2))[0][0] == ref2  # A from the cache, B encoded
+        vstats = asyncio.run(embeddings_only.cache_stats())["vision_cache"]
+        assert (vstats["hits"], vstats["misses"], vstats["entries"]) == (2, 2, 2)
+    finally:
+        embeddings_only.stop()
+
+    both = engine()
+    try:
+        (cold, cold_cached), = run(both, fresh(r1))
+        (hit, hit_cached), = run(both, fresh(r1))
+        (partial, partial_cached), = run(both, fresh(r2))  # turn 2 adds image B
+        batch = run(both, fresh(r1), fresh(r2), fresh(rt))  # image and text requests in one batch
+    finally:
+        both.stop()
+    end_of_a = r1.images[0].start + r1.images[0].num_tokens
+    assert cold == ref1 and cold_cached == 0
+    assert hit == ref1 and hit_cached >= end_of_a // 16 * 16 and hit_cached > 0
+    assert partial == ref2 and partial_cached >= end_of_a // 16 * 16
+    assert [t for t, _ in batch] == [ref1, ref2, reft]
+
+
+def test_different_images_never_share_blocks(tiny):
+    loaded = tiny("qwen2.5-vl-tiny")
+    ra = chat_request(loaded, [("user", [picture(1), "Describe it."])])
+    rb = chat_request(loaded, [("user", [picture(3), "Describe it."])])
+    assert ra.prompt_token_ids == rb.prompt_token_ids  # same tokens: only the pixels differ
+    engine = AsyncEngine(loaded, EngineConfig(block_size=8)).start()
+    try:
+        run(engine, ra)
+        (_, cached), = run(engine, rb)
+        (_, again), = run(engine, fresh(ra))
+    finally:
+        engine.stop()
+    assert cached == ra.images[0].start // 8 * 8  # only the text before the image is shared
+    assert again > ra.images[0].start + ra.images[0].num_tokens - 8
+
+
+def test_qwen_vision_tower_survives_window_aligned_images(tiny):
+    # mlx-vlm's Qwen2.5-VL tower leaves repeated window bounds (empty windows)
+    # for image sides that are multiples of 112 px; on MLX-CUDA that killed
+    # the process. The adapter drops the repeats: the tower's output must be
+    # finite and the window bounds strictly increasing.
+    import mlx.core as mx
+    from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor
+
+    from mlxserve.models.vlm import ImageInput
+
+    vision = tiny("qwen2.5-vl-tiny").vision
+    proc = Qwen3VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                 min_pixels=3136, max_pixels=448 * 448)
+    out = proc(images=[picture(5, (448, 448))])
+    grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"])[0])
+    assert grid == (1, 32, 32)
+    _, bounds = vision.model.vision_tower.get_window_index(mx.array([grid]))
+    assert all(x < y for x, y in zip(bounds.tolist(), bounds.tolist()[1:]))
+    feats = vision.encode(ImageInput(np.asarray(out["pixel_values"]), grid, 256))
+    assert feats.shape[0] == 256 and mx.all(mx.isfinite(feats)).item()
+
+
+# ---- over HTTP ----
+
+
+class _Files(http.server.SimpleHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/slow.png":
+            time.sleep(3)
+        return super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def media_site(tmp_path_factory):
+    """A local HTTP server over a temporary folder of pictures."""
+    root = tmp_path_factory.mktemp("media")
+    handler = lambda *a, **kw: _Files(*a, directory=str(root), **kw)  # noqa: E731
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.handle_error = lambda *a: None  # the slow response's client has gone: a broken pipe
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vlm_server(tiny, media_site):
+    from conftest import LiveServer
+
+    from mlxserve.config import ServerConfig
+
+    root, _ = media_site
+    live = LiveServer(tiny("qwen2.5-vl-tiny"), EngineConfig(block_size=16),
+                      ServerConfig(allowed_local_media_path=str(root), media_fetch_timeout=1.0,
+                                   max_media_bytes=200_000, max_image_pixels=1_000_000))
+    yield live
+    live.close()
+
+
+def ask(server, url, **extra):
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "What is this?"}]}],
+            "max_tokens": 3, "temperature": 0, **extra}
+    return httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+
+
+def stats(server):
+    import httpx
+
+    return httpx.get(server.base_url + "/cache/stats").json()
+
+
+def test_same_picture_by_data_url_file_and_http_is_one_entry(vlm_server, media_site):
+    import openai
+
+    root, site = media_site
+    image = picture(7)
+    (root / "a.png").write_bytes(png_bytes(image, compress_level=1))
+    (root / "b.png").write_bytes(png_bytes(image, compress_level=9))  # other bytes, same pixels
+    limits = vlm_server.state.media_limits
+    limits.allow_private_urls = True  # the test site is on 127.0.0.1
+    try:
+        client = openai.OpenAI(base_url=vlm_server.base_url, api_key="unused")
+        before = stats(vlm_server)["vision_cache"]
+        answers = []
+        for url in (data_url(image), (root / "a.png").as_uri(), f"{site}/b.png"):
+            r = client.chat.completions.create(
+                model="qwen2.5-vl-tiny", max_tokens=4, temperature=0,
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                       {"type": "text", "text": "Describe the picture."}]}])
+            answers.append((r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens))
+    finally:
+        limits.allow_private_urls = False
+    after = stats(vlm_server)["vision_cache"]
+    assert after["entries"] - before["entries"] == 1
+    assert after["misses"] - before["misses"] == 1
+    assert len({a for a, _ in answers}) == 1
+    assert answers[0][1] == 0 and answers[1][1] > 0 and answers[2][1] > 0
+
+
+def test_bad_media_gets_a_400_naming_the_part(vlm_server, media_site, server, tmp_path):
+    root, site = media_site
+    png = png_bytes(picture(8))
+    (root / "big.png").write_bytes(png_bytes(picture(9, (600, 600))))  # > 200 kB of noise
+    (root / "slow.png").write_bytes(png)
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(png)
+    flat = io.BytesIO()
+    picture(0, (1, 1)).resize((1200, 1200)).save(flat, "PNG")  # 1.44 MP, a few kB
+    cases = {
+        "not an image": "data:image/png;base64," + base64.b64encode(b"hello, not a picture").decode(),
+        "truncated": "data:image/png;base64," + base64.b64encode(png[: len(png) // 2]).decode(),
+        "bad base64": "data:image/png;base64,@@@",
+        "scheme": "ftp://example.com/a.png",
+        "too many pixels": "data:image/png;base64," + base64.b64encode(flat.getvalue()).decode(),
+        "too many bytes": (root / "big.png").as_uri(),
+        "private address": f"{site}/slow.png",
+        "outside allowed dirs": outside.as_uri(),
+        "traversal": (root / ".." / outside.parent.name / "outside.png").as_uri(),
+    }
+    before = stats(vlm_server)
+    for name, url in cases.items():
+        r = ask(vlm_server, url)
+        print(name, "->", r.json()["error"]["message"])
+        assert r.status_code == 400, (name, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"].startswith("messages[0].content[0]"), name
+    vlm_server.state.media_limits.allow_private_urls = True
+    try:
+        r = ask(vlm_server, f"{site}/slow.png")  # the server answers after 3 s; the limit is 1 s
+    finally:
+        vlm_server.state.media_limits.allow_private_urls = False
+    assert r.status_code == 400 and "longer than" in r.json()["error"]["message"]
+    after = stats(vlm_server)
+    for cache in ("prefix_cache", "vision_cache"):
+        assert after[cache]["bytes"] == before[cache]["bytes"], cache
+    # A text-only model refuses images.
+    r = ask(server, data_url(picture(1)))
+    assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
+    # The server still serves.
+    assert ask(vlm_server, data_url(picture(1))).status_code == 200
