@@ -13,8 +13,7 @@ import pytest
 from mlxserve.config import EngineConfig
 from mlxserve.engine.engine import AsyncEngine
 from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.multimodal.media import MediaLimits
-from mlxserve.multimodal.prompt import image_spans, prepare_images
+from mlxserve.multimodal.prompt import chat_prompt
 
 VLMS = ["qwen2.5-vl-tiny", "gemma3-vl-tiny"]
 
@@ -38,22 +37,11 @@ def data_url(image) -> str:
 
 def chat_request(loaded, turns, max_tokens=6) -> Request:
     """turns: [(role, [str or PIL image, ...])] -> an engine Request with its images."""
-    vision = loaded.vision
-    sources = [(f"part{i}", data_url(p)) for _, parts in turns for i, p in enumerate(parts) if not isinstance(p, str)]
-    prepared = iter(prepare_images(vision, sources, MediaLimits()))
-    images, messages = [], []
-    for role, parts in turns:
-        text = ""
-        for p in parts:
-            if isinstance(p, str):
-                text += p
-            else:
-                images.append(next(prepared))
-                text += images[-1].placeholder
-        messages.append({"role": role, "content": text})
-    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return Request(list(ids), params, images=image_spans(ids, vision.image_token_id, images))
+    messages = [{"role": role, "content": [{"type": "text", "text": p} if isinstance(p, str)
+                                           else {"type": "image", "image": p} for p in parts]}
+                for role, parts in turns]
+    ids, images = chat_prompt(loaded, messages)
+    return Request(ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), images=images)
 
 
 async def generate(engine, request):

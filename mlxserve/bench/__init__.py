@@ -1,10 +1,11 @@
-"""Benchmarks: `mlxserve bench engine | serve | prefix`."""
+"""Benchmarks: `mlxserve bench engine | serve | prefix | multimodal`."""
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import engine, prefix, serve
+    from mlxserve.bench import engine, multimodal, prefix, serve
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
     serve.add_parser(sub)
     prefix.add_parser(sub)
+    multimodal.add_parser(sub)

@@ -111,7 +111,7 @@ def measure_block_sizes(loaded, args, rng, vocab) -> list[dict]:
                 misses.append(ttft(engine, prefix + _tokens(rng, args.suffix_len, vocab))[0])
                 seconds, cached = ttft(engine, prefix + _tokens(rng, args.suffix_len, vocab))
                 hits.append(seconds)
-            stats = asyncio.run(engine.cache_stats())
+            stats = asyncio.run(engine.cache_stats())["prefix_cache"]
         finally:
             engine.stop()
         rows.append({"block_size": bs, "prefix": n, "miss": min(misses), "hit": min(hits), "cached": cached,

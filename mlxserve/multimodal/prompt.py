@@ -34,13 +34,11 @@ def prepare_images(vision, sources: list[tuple[str, str]], limits: MediaLimits) 
     out = []
     for where, url in sources:
         try:
-            loaded = load_image(url, limits)
-            pixels = vision.preprocess(loaded.image)
+            out.append(_prepared(vision, where, load_image(url, limits)))
         except MediaError as e:
             raise ImagePartError(where, str(e)) from None
         except Exception as e:  # noqa: BLE001 - the processor refusing an image (e.g. too small)
             raise ImagePartError(where, f"the image cannot be processed: {e}") from None
-        out.append(PreparedImage(where, loaded.content_hash, pixels, vision.placeholder(pixels)))
     return out
 
 
@@ -61,3 +59,44 @@ def image_spans(prompt_ids: list[int], image_token_id: int, images: list[Prepare
         raise MediaError("the prompt's image placeholder tokens do not match its images "
                          "(does the text itself contain the model's image tokens?)")
     return [PromptImage(im.content_hash, start, length, im.pixels) for (start, length), im in zip(runs, images)]
+
+
+def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None, **template_kwargs):
+    """(prompt token ids, PromptImages) of a chat whose messages may hold images.
+
+    For Python callers (the LLM class, benchmarks): content is a string or a
+    list of parts, {"type": "text", "text": ...}, {"type": "image_url",
+    "image_url": {"url": ...}} or {"type": "image", "image": <PIL image>}.
+    """
+    from mlxserve.llm import render_chat
+    from mlxserve.multimodal.media import LoadedImage, pixel_hash
+
+    vision = loaded.vision
+    rendered, images = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            text = ""
+            for j, part in enumerate(content):
+                if part.get("type") == "text":
+                    text += part["text"]
+                    continue
+                if vision is None:
+                    raise MediaError(f"messages[{i}].content[{j}]: this model takes text only")
+                if part.get("type") == "image":
+                    image = part["image"].convert("RGB")
+                    prepared = _prepared(vision, f"messages[{i}].content[{j}]", LoadedImage(image, pixel_hash(image)))
+                else:
+                    (prepared,) = prepare_images(vision, [(f"messages[{i}].content[{j}]", part["image_url"]["url"])],
+                                                 limits or MediaLimits())
+                images.append(prepared)
+                text += prepared.placeholder
+            m = {**m, "content": text}
+        rendered.append(m)
+    ids = render_chat(loaded.tokenizer, rendered, **template_kwargs)
+    return ids, (image_spans(ids, vision.image_token_id, images) if images else [])
+
+
+def _prepared(vision, where: str, loaded_image) -> PreparedImage:
+    pixels = vision.preprocess(loaded_image.image)
+    return PreparedImage(where, loaded_image.content_hash, pixels, vision.placeholder(pixels))

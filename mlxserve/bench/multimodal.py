@@ -1,0 +1,255 @@
+"""`mlxserve bench multimodal`: what the image caches save, in-process.
+
+The vllm-mlx paper's tables, on one model:
+- multi-turn questions about one image, turns 1-3, caches off vs on (Table 2);
+- turn 2 with no cache, vision embeddings only, KV only, both (Table 4);
+- image resolution 224 / 448 / 768 / 1024 px: cold vs cached turn (Table 5);
+- bytes one cached image costs (vision embeddings, and its KV blocks).
+
+Time to first token (TTFT) and whole-turn latency include fetching nothing
+(images are in memory) but do include preprocessing and pixel hashing, which
+a server pays on every turn. "Suffix alone" is the TTFT of the turn's new
+user message as a text-only prompt on an empty cache: the floor a hit can reach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+QUESTIONS = ["Describe this image in detail.", "What colors stand out, and where?",
+             "Is there any text in it? Quote it.", "What would you change to improve it?"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("multimodal", help="Image caches: multi-turn, ablation, resolution, bytes per image.")
+    p.add_argument("--model", default="dummy:qwen2.5-vl-mid", help="A VLM source, or dummy:SHAPE[:q4|:q8].")
+    p.add_argument("--size", type=int, default=1024, help="Image side (px) of the multi-turn and ablation runs.")
+    p.add_argument("--sizes", default="224,448,768,1024", help="Image sides (px) of the resolution table.")
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--answer-len", type=int, default=16, help="Output tokens per turn.")
+    p.add_argument("--block-size", type=int, default=None, help="Prefix-cache block size (default: the engine's).")
+    p.add_argument("--out-dir", default="benchmarks")
+    p.add_argument("--replot", metavar="JSON", help="Only redraw the PNG of an earlier result.")
+    p.set_defaults(func=lambda a: replot(a.replot) if a.replot else run(a))
+
+
+def picture(side: int, seed: int = 0):
+    """A deterministic photo-like test image: smooth gradients plus noise (not a flat color)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:side, 0:side] / side
+    base = np.stack([x, y, (x + y) / 2], axis=-1) * 200
+    return Image.fromarray((base + rng.random((side, side, 3)) * 55).astype(np.uint8))
+
+
+class Bench:
+    def __init__(self, loaded, args):
+        self.loaded = loaded
+        self.args = args
+
+    def engine(self, prefix: bool, vision: bool):
+        from mlxserve.config import EngineConfig
+        from mlxserve.engine.engine import AsyncEngine
+
+        block = {"block_size": self.args.block_size} if self.args.block_size else {}
+        return AsyncEngine(self.loaded, EngineConfig(
+            prefix_cache=prefix, vision_cache_memory="1GB" if vision else "0", cache_memory="50%",
+            **block)).start()
+
+    def turn(self, engine, messages, max_tokens=None) -> dict:
+        """One chat turn: TTFT, whole-turn latency, the answer, cached tokens."""
+        from mlxserve.engine.request import Request, SamplingParams
+        from mlxserve.multimodal.prompt import chat_prompt
+
+        async def go():
+            start = time.perf_counter()
+            ids, images = chat_prompt(self.loaded, messages)
+            params = SamplingParams(temperature=0, max_tokens=max_tokens or self.args.answer_len, ignore_eos=True)
+            first, text, cached = None, [], 0
+            async for out in engine.submit(Request(ids, params, images=images)):
+                first = first or time.perf_counter() - start
+                text.append(out.new_text)
+                cached = out.cached_tokens
+            return {"ttft": first, "total": time.perf_counter() - start, "answer": "".join(text),
+                    "prompt": len(ids), "cached": cached,
+                    "image_tokens": sum(im.num_tokens for im in images)}
+
+        return asyncio.run(go())
+
+    def conversation(self, engine, image, turns: int) -> list[dict]:
+        messages, rows = [], []
+        for t in range(turns):
+            content = [{"type": "text", "text": QUESTIONS[t % len(QUESTIONS)]}]
+            if t == 0:
+                content.insert(0, {"type": "image", "image": image})
+            messages.append({"role": "user", "content": content})
+            row = self.turn(engine, messages)
+            row["suffix_alone"] = self.suffix_alone(QUESTIONS[t % len(QUESTIONS)])
+            messages.append({"role": "assistant", "content": row.pop("answer")})
+            rows.append(row)
+        return rows
+
+    def suffix_alone(self, question: str) -> float:
+        if not hasattr(self, "_plain"):
+            self._plain = self.engine(prefix=False, vision=False)
+            self.turn(self._plain, [{"role": "user", "content": "warm up"}], max_tokens=1)
+        return self.turn(self._plain, [{"role": "user", "content": question}], max_tokens=1)["ttft"]
+
+    def close(self):
+        if hasattr(self, "_plain"):
+            self._plain.stop()
+
+
+def multi_turn(bench: Bench, args) -> dict:
+    image = picture(args.size)
+    out = {}
+    for name, prefix, vision in (("no cache", False, False), ("cached", True, True)):
+        print(f"   multi-turn, {name}", file=sys.stderr, flush=True)
+        engine = bench.engine(prefix, vision)
+        try:
+            bench.turn(engine, [{"role": "user", "content": [{"type": "image", "image": picture(64, 9)},
+                                                             {"type": "text", "text": "warm up"}]}], 1)
+            out[name] = bench.conversation(engine, image, args.turns)
+            out[name + " bytes"] = asyncio.run(engine.cache_stats())
+        finally:
+            engine.stop()
+    return out
+
+
+def ablation(bench: Bench, args) -> list[dict]:
+    image = picture(args.size, seed=1)
+    rows = []
+    for name, prefix, vision in (("no cache", False, False), ("embeddings only", False, True),
+                                 ("KV only", True, False), ("both", True, True)):
+        print(f"   ablation, {name}", file=sys.stderr, flush=True)
+        engine = bench.engine(prefix, vision)
+        try:
+            turns = bench.conversation(engine, image, 2)
+        finally:
+            engine.stop()
+        rows.append({"config": name, "turn1": turns[0], "turn2": turns[1]})
+    return rows
+
+
+def resolutions(bench: Bench, args) -> list[dict]:
+    rows = []
+    engine = bench.engine(True, True)
+    try:
+        for side in [int(s) for s in args.sizes.split(",")]:
+            print(f"   resolution {side}", file=sys.stderr, flush=True)
+            turns = bench.conversation(engine, picture(side, seed=side), 2)
+            rows.append({"side": side, "cold": turns[0], "hit": turns[1]})
+    finally:
+        engine.stop()
+    return rows
+
+
+def run(args) -> int:
+    from mlxserve.bench import report
+    from mlxserve.bench.engine import _parse_model
+    from mlxserve.engine.engine import default_block_size
+    from mlxserve.models.load import load
+
+    spec = _parse_model(args.model)
+    info = report.machine()
+    loaded = load(spec["source"], load_format=spec["load_format"], quantize_bits=spec["quantize_bits"])
+    if loaded.vision is None:
+        print(f"{args.model} is not a vision-language model", file=sys.stderr)
+        return 2
+    print(f"== {spec['label']} ({loaded.name})", file=sys.stderr)
+    bench = Bench(loaded, args)
+    try:
+        turns = multi_turn(bench, args)
+        abl = ablation(bench, args)
+        res = resolutions(bench, args)
+    finally:
+        bench.close()
+
+    ms = 1e3
+    off, on = turns["no cache"], turns["cached"]
+    md = [report.header("Multimodal cache benchmark", info, "mlxserve bench multimodal " + " ".join(sys.argv[3:])),
+          f"Model: {spec['label']} ({loaded.name}); block size {args.block_size or default_block_size()}; "
+          f"{args.answer_len} output tokens per turn; synthetic {args.size}x{args.size} image "
+          f"({on[0]['image_tokens']} image tokens). Times in ms.\n",
+          "## Multi-turn on one image (paper Table 2)\n",
+          report.table(
+              ["turn", "prompt tokens", "cached tokens", "TTFT, no cache", "TTFT, cached", "TTFT speedup",
+               "turn, no cache", "turn, cached", "turn speedup", "suffix alone", "hit/suffix"],
+              [[i + 1, c["prompt"], c["cached"], o["ttft"] * ms, c["ttft"] * ms, f"{o['ttft'] / c['ttft']:.1f}x",
+                o["total"] * ms, c["total"] * ms, f"{o['total'] / c['total']:.1f}x", c["suffix_alone"] * ms,
+                f"{c['ttft'] / c['suffix_alone']:.2f}x"]
+               for i, (o, c) in enumerate(zip(off, on))]),
+          "",
+          "## Turn 2 by cache (paper Table 4)\n",
+          report.table(
+              ["caches", "turn 1 TTFT", "turn 2 TTFT", "turn 2 cached tokens", "turn 2 total", "vs no cache"],
+              [[r["config"], r["turn1"]["ttft"] * ms, r["turn2"]["ttft"] * ms, r["turn2"]["cached"],
+                r["turn2"]["total"] * ms, f"{abl[0]['turn2']['ttft'] / r['turn2']['ttft']:.1f}x"] for r in abl]),
+          "",
+          "## Image resolution (paper Table 5)\n",
+          report.table(
+              ["side px", "image tokens", "cold TTFT", "turn 2 TTFT", "speedup", "suffix alone", "hit/suffix"],
+              [[r["side"], r["cold"]["image_tokens"], r["cold"]["ttft"] * ms, r["hit"]["ttft"] * ms,
+                f"{r['cold']['ttft'] / r['hit']['ttft']:.1f}x", r["hit"]["suffix_alone"] * ms,
+                f"{r['hit']['ttft'] / r['hit']['suffix_alone']:.2f}x"] for r in res]),
+          ""]
+    stats = turns["cached bytes"]
+    pc, vc = stats["prefix_cache"], stats["vision_cache"]
+    kv_per_token = pc["bytes"] / max(1, pc["blocks"] * pc["block_size"])
+    image_tokens = on[0]["image_tokens"]
+    md += ["## Bytes per cached image\n",
+           f"- Vision embeddings: {vc['bytes'] / max(1, vc['entries']) / 2**20:.1f} MiB per image "
+           f"({vc['entries']} entries, incl. the warm-up's small image).",
+           f"- KV blocks: {kv_per_token / 1024:.1f} KiB per token, so {kv_per_token * image_tokens / 2**20:.1f} MiB "
+           f"for the image's {image_tokens} tokens.", ""]
+    text = "\n".join(md)
+    print(text)
+    report.write_result("multimodal", info, text, {"turns": turns, "ablation": abl, "resolutions": res},
+                        _plot, args.out_dir)
+    return 0
+
+
+def replot(json_path) -> None:
+    from mlxserve.bench import report
+
+    report.replot(json_path, _plot)
+
+
+def _plot(results, png, info) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4))
+    off, on = results["turns"]["no cache"], results["turns"]["cached"]
+    xs = range(1, len(on) + 1)
+    ax1.plot(xs, [r["ttft"] * 1e3 for r in off], marker="o", label="TTFT, no cache")
+    ax1.plot(xs, [r["ttft"] * 1e3 for r in on], marker="o", label="TTFT, cached")
+    ax1.plot(xs, [r["suffix_alone"] * 1e3 for r in on], ls="--", label="suffix alone")
+    ax1.set_xlabel("turn")
+    ax1.set_ylabel("ms")
+    ax1.set_yscale("log")
+    abl = results["ablation"]
+    ax2.bar([r["config"] for r in abl], [r["turn2"]["ttft"] * 1e3 for r in abl], color="tab:blue")
+    ax2.set_ylabel("turn 2 TTFT, ms")
+    ax2.tick_params(axis="x", labelsize=8)
+    res = results["resolutions"]
+    sides = [r["side"] for r in res]
+    ax3.plot(sides, [r["cold"]["ttft"] * 1e3 for r in res], marker="o", label="cold")
+    ax3.plot(sides, [r["hit"]["ttft"] * 1e3 for r in res], marker="o", label="turn 2 (cached)")
+    ax3.set_xlabel("image side, px")
+    ax3.set_ylabel("TTFT, ms")
+    ax3.set_yscale("log")
+    for ax in (ax1, ax3):
+        ax.legend(fontsize=8)
+    for ax in (ax1, ax2, ax3):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"image caches, {info['backend']} ({info['device']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
