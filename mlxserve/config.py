@@ -81,6 +81,12 @@ class EngineConfig:
         "Byte budget of the vision-embedding cache (images' projected embeddings, by pixel "
         "content), e.g. 1GB or 5%; 0 turns it off.",
     )
+    vision_step_ms: float = setting(
+        20.0,
+        "An image's vision-tower pass runs in slices of about this many ms (at block "
+        "boundaries), each between two decode steps of the running requests; 0 runs the "
+        "whole tower at once.",
+    )
     solo_fast_path: bool = setting(
         True,
         "Decode a lone request with a lean single-sequence loop (like mlx-lm's "

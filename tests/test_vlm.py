@@ -268,3 +268,51 @@ def test_bad_media_gets_a_400_naming_the_part(vlm_server, media_site, server, tm
     assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
     # The server still serves.
     assert ask(vlm_server, data_url(picture(1))).status_code == 200
+
+
+def test_image_example_runs(vlm_server):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MLXSERVE_BASE_URL": vlm_server.base_url}
+    out = subprocess.run([sys.executable, str(root / "docs/examples/openai_image.py")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = [int(line.split()[3]) for line in out.stdout.splitlines() if line.startswith("[")]
+    assert first == 0 and second > 0  # the second question reuses the image's blocks
+
+
+@pytest.mark.parametrize("shape", VLMS)
+def test_tower_run_in_slices_gives_the_same_tokens(tiny, shape):
+    """vision_step_ms tiny: the tower pauses after every block, between decode steps of a text request."""
+    import threading
+
+    loaded = tiny(shape)
+    r1 = chat_request(loaded, [("user", [picture(11), "What is this?"])])
+    text = chat_request(loaded, [("user", ["Tell me about lighthouses."])], max_tokens=30)
+    whole = AsyncEngine(loaded, EngineConfig(prefix_cache=False, vision_step_ms=0)).start()
+    try:
+        ref, ref_text = (t for t, _ in run(whole, fresh(r1), fresh(text)))
+    finally:
+        whole.stop()
+    sliced = AsyncEngine(loaded, EngineConfig(prefix_cache=False, vision_step_ms=1e-6)).start()
+    try:
+        got, got_text = (t for t, _ in run(sliced, fresh(r1), fresh(text)))
+
+        async def abandon():  # leave while the tower is mid-way: its helper thread must end
+            stream = sliced.submit(fresh(chat_request(loaded, [("user", [picture(12), "Hi"])])))
+            task = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0)
+            task.cancel()
+        asyncio.run(abandon())
+        assert run(sliced, fresh(r1))[0][0] == ref
+    finally:
+        sliced.stop()
+    assert got == ref and got_text == ref_text
+    deadline = time.monotonic() + 5
+    while any(t.name == "mlxserve-stepwise" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "mlxserve-stepwise" for t in threading.enumerate())

@@ -280,6 +280,7 @@ class AsyncEngine:
                 vision=self.loaded.vision,
                 vision_cache=self.vision_cache,
                 fingerprint=self.loaded.fingerprint,
+                vision_step_s=cfg.vision_step_ms / 1e3,
             )
             scheduler = Scheduler(
                 runner,

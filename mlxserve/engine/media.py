@@ -1,9 +1,10 @@
 """Prefill of prompts that hold images, one unit of work per engine step.
 
-A unit is one image through the vision tower (skipped when the vision cache
-has it) or one prompt chunk through the language model, fed as embeddings.
-Between units the runner decodes the other requests, so an image arriving
-mid-stream stalls them for one unit, not for the whole encode and prefill.
+A unit is a slice of one image's vision-tower pass (tower blocks until
+`vision_step_s` is spent; skipped when the vision cache has the image) or one
+prompt chunk through the language model, fed as embeddings. Between units the
+runner decodes the other requests, so an image arriving mid-stream stalls
+them for one unit, not for the whole encode and prefill.
 
 The prompt is prefilled up to its last token; then the sequence joins the
 solo path or the batch like any text request, with its cache and (Qwen-VL)
@@ -17,11 +18,15 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxserve.engine.stepwise import Stepwise
+
 
 class MediaPrefill:
     def __init__(self, vision, seq, chunk_size: int, cache, *, vision_cache=None, fingerprint="",
-                 prefix_cache=None):
+                 prefix_cache=None, vision_step_s: float = 0.02):
         self.vision = vision
+        self.vision_step_s = vision_step_s
+        self.encoding: tuple[int, Stepwise] | None = None  # an image mid-tower
         self.seq = seq
         self.chunk_size = chunk_size
         self.vision_cache = vision_cache
@@ -51,18 +56,32 @@ class MediaPrefill:
         return (self.fingerprint, image.content_hash, self.vision.settings_key())
 
     def _encode(self, i: int) -> None:
+        """Advance image i: from the vision cache at once, else one slice of the tower."""
         image = self.seq.request.images[i]
         key = self._key(image)
-        feats = self.vision_cache.get(key) if self.vision_cache is not None else None
-        if feats is None:
-            feats = self.vision.encode(image.pixels)
-            mx.eval(feats)
-            if feats.shape[0] != image.num_tokens:
-                raise ValueError(f"image {i} gave {feats.shape[0]} embeddings for {image.num_tokens} tokens")
-            self.encoded += 1
-            if self.vision_cache is not None:
-                self.vision_cache.put(key, feats)
+        if self.encoding is None:
+            feats = self.vision_cache.get(key) if self.vision_cache is not None else None
+            if feats is not None:
+                self.features[i] = feats
+                return
+            budget = self.vision_step_s if self.vision_step_s > 0 else float("inf")
+            self.encoding = (i, Stepwise(lambda: self.vision.encode(image.pixels), budget))
+        if not self.encoding[1].step():
+            return
+        feats = self.encoding[1].result
+        self.encoding = None
+        if feats.shape[0] != image.num_tokens:
+            raise ValueError(f"image {i} gave {feats.shape[0]} embeddings for {image.num_tokens} tokens")
+        self.encoded += 1
+        if self.vision_cache is not None:
+            self.vision_cache.put(key, feats)
         self.features[i] = feats
+
+    def close(self) -> None:
+        """Stop an image mid-tower (the request left)."""
+        if self.encoding is not None:
+            self.encoding[1].close()
+            self.encoding = None
 
     def step(self) -> None:
         """One unit of work: encode one image or prefill one chunk."""

@@ -164,12 +164,13 @@ class SoloDecoder:
 class Runner:
     def __init__(self, model, *, max_num_seqs: int, prefill_chunk_size: int,
                  prefill_batch_size: int, solo_fast_path: bool = True, prefix_cache=None,
-                 vision=None, vision_cache=None, fingerprint: str = ""):
+                 vision=None, vision_cache=None, fingerprint: str = "", vision_step_s: float = 0.02):
         self.model = model
         self.prefix_cache = prefix_cache  # a PrefixCache, or None when caching is off
         self.vision = vision  # the model's VisionAdapter, for prompts with images
         self.vision_cache = vision_cache
         self.fingerprint = fingerprint
+        self.vision_step_s = vision_step_s
         self.media: list[MediaPrefill] = []  # prompts with images, being prefilled (in order)
         self.failed: list[tuple[Sequence, str]] = []  # sequences that failed alone; the engine drains it
         self.max_num_seqs = max_num_seqs
@@ -220,7 +221,7 @@ class Runner:
         if seq.request.images:
             self.media.append(MediaPrefill(self.vision, seq, self.prefill_chunk_size, cache,
                                            vision_cache=self.vision_cache, fingerprint=self.fingerprint,
-                                           prefix_cache=self.prefix_cache))
+                                           prefix_cache=self.prefix_cache, vision_step_s=self.vision_step_s))
             return []
         return self._start(seq, cache, seq.cached_tokens)
 
@@ -261,6 +262,9 @@ class Runner:
         if self.solo is not None and self.solo.seq is seq:
             self.solo = None
         elif any(m.seq is seq for m in self.media):
+            for m in self.media:
+                if m.seq is seq:
+                    m.close()
             self.media = [m for m in self.media if m.seq is not seq]
         elif seq.uid in self.batch:
             del self.batch[seq.uid]
@@ -287,7 +291,7 @@ class Runner:
             m.step()
         except Exception as e:  # noqa: BLE001 - fail this request, keep the others running
             log.exception("image prefill failed")
-            self.media.pop(0)
+            self.media.pop(0).close()
             self.failed.append((m.seq, f"image processing failed: {e}"))
             return []
         if not m.finished:
@@ -336,6 +340,8 @@ class Runner:
         """Drop every sequence (after a failed step); returns those dropped."""
         dropped = self.sequences
         self.solo = None
+        for m in self.media:
+            m.close()
         self.media.clear()
         self.batch.clear()
         self.generator.close()

@@ -107,6 +107,9 @@ class VisionAdapter:
         self.processor_config = processor_config
         self.tokenizer = tokenizer
         self.text_model = TextModel(model.language_model, mrope=self.mrope)
+        from mlxserve.engine.stepwise import make_pausable
+
+        make_pausable(self.tower_blocks())
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.convert_ids_to_tokens(token_id)
@@ -117,6 +120,10 @@ class VisionAdapter:
     def settings_key(self) -> str:
         """What, besides the pixels, decides an image's embeddings (part of the vision-cache key)."""
         return json.dumps({"family": self.family, "processor": self.processor_config}, sort_keys=True)
+
+    def tower_blocks(self) -> list:
+        """The vision tower's transformer blocks: an encode may pause after any of them."""
+        return []
 
     def embed(self, token_ids, spans):
         """Input embeddings of a prompt chunk.
@@ -172,6 +179,9 @@ class QwenVL(VisionAdapter):
             image_std=pc.get("image_std"),
         )
         _guard_window_index(model.vision_tower)
+
+    def tower_blocks(self) -> list:
+        return list(self.model.vision_tower.blocks)
 
     def preprocess(self, image) -> ImageInput:
         out = self.image_processor(images=[image])
@@ -237,6 +247,9 @@ class Gemma3VL(VisionAdapter):
         self.mean = np.array(processor_config.get("image_mean", [0.5, 0.5, 0.5]), np.float32)
         self.std = np.array(processor_config.get("image_std", [0.5, 0.5, 0.5]), np.float32)
 
+    def tower_blocks(self) -> list:
+        return list(self.model.vision_tower.vision_model.encoder.layers)
+
     def preprocess(self, image) -> ImageInput:
         from PIL import Image
 
@@ -256,7 +269,7 @@ class Gemma3VL(VisionAdapter):
         m = self.model
         dtype = m.language_model.model.embed_tokens.weight.dtype
         pixels = mx.array(image.pixel_values).transpose(0, 2, 3, 1).astype(dtype)
-        hidden, _, _ = m.vision_tower(pixels, output_hidden_states=True)
+        hidden, _, _ = m.vision_tower(pixels, output_hidden_states=False)
         feats = m.multi_modal_projector(hidden)[0]
         # Gemma's language model scales its input embeddings by sqrt(hidden);
         # image features enter pre-divided, as mlx-vlm's merge does.
