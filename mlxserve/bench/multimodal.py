@@ -4,7 +4,9 @@ The vllm-mlx paper's tables, on one model:
 - multi-turn questions about one image, turns 1-3, caches off vs on (Table 2);
 - turn 2 with no cache, vision embeddings only, KV only, both (Table 4);
 - image resolution 224 / 448 / 768 / 1024 px: cold vs cached turn (Table 5);
-- bytes one cached image costs (vision embeddings, and its KV blocks).
+- bytes one cached image costs (vision embeddings, and its KV blocks);
+- the longest pause in a running text stream when an image request arrives:
+  tower and prompt in one go vs in slices between decode steps.
 
 Time to first token (TTFT) and whole-turn latency include fetching nothing
 (images are in memory) but do include preprocessing and pixel hashing, which
@@ -30,6 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--answer-len", type=int, default=16, help="Output tokens per turn.")
     p.add_argument("--block-size", type=int, default=None, help="Prefix-cache block size (default: the engine's).")
+    p.add_argument("--stall-tokens", type=int, default=64,
+                   help="Tokens of the text stream in the decode-stall test (0 skips it).")
     p.add_argument("--out-dir", default="benchmarks")
     p.add_argument("--replot", metavar="JSON", help="Only redraw the PNG of an earlier result.")
     p.set_defaults(func=lambda a: replot(a.replot) if a.replot else run(a))
@@ -51,14 +55,15 @@ class Bench:
         self.loaded = loaded
         self.args = args
 
-    def engine(self, prefix: bool, vision: bool):
+    def engine(self, prefix: bool, vision: bool, **settings):
         from mlxserve.config import EngineConfig
         from mlxserve.engine.engine import AsyncEngine
 
-        block = {"block_size": self.args.block_size} if self.args.block_size else {}
+        if self.args.block_size:
+            settings["block_size"] = self.args.block_size
         return AsyncEngine(self.loaded, EngineConfig(
             prefix_cache=prefix, vision_cache_memory="1GB" if vision else "0", cache_memory="50%",
-            **block)).start()
+            **settings)).start()
 
     def turn(self, engine, messages, max_tokens=None) -> dict:
         """One chat turn: TTFT, whole-turn latency, the answer, cached tokens."""
@@ -148,6 +153,53 @@ def resolutions(bench: Bench, args) -> list[dict]:
     return rows
 
 
+def decode_stall(bench: Bench, args) -> list[dict]:
+    """Gaps between a text stream's tokens while an image request is prefilled beside it."""
+    from mlxserve.engine.request import Request, SamplingParams
+    from mlxserve.multimodal.prompt import chat_prompt
+
+    image_msgs = [{"role": "user", "content": [{"type": "image", "image": picture(args.size, seed=2)},
+                                               {"type": "text", "text": QUESTIONS[0]}]}]
+    ids, images = chat_prompt(bench.loaded, image_msgs)
+    text_ids, _ = chat_prompt(bench.loaded, [{"role": "user", "content": "Tell me a long story."}])
+    rows = []
+    for name, settings in (("tower and prompt in one step", {"vision_step_ms": 0, "prefill_chunk_size": len(ids) + 1}),
+                           ("in slices (defaults)", {})):
+        print(f"   decode stall, {name}", file=sys.stderr, flush=True)
+        engine = bench.engine(False, False, **settings)
+
+        async def go():
+            times = []
+
+            async def stream():
+                params = SamplingParams(temperature=0, max_tokens=args.stall_tokens, ignore_eos=True)
+                async for _ in engine.submit(Request(list(text_ids), params)):
+                    times.append(time.perf_counter())
+
+            async def image_request():
+                while len(times) < 8:  # join once the stream is decoding
+                    await asyncio.sleep(0.001)
+                start = time.perf_counter()
+                params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+                async for _ in engine.submit(Request(list(ids), params, images=images)):
+                    pass
+                return time.perf_counter() - start
+
+            _, image_ttft = await asyncio.gather(stream(), image_request())
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            return gaps, image_ttft
+
+        try:
+            asyncio.run(go())  # warm-up: shapes compile, caches fill
+            gaps, image_ttft = asyncio.run(go())
+        finally:
+            engine.stop()
+        gaps.sort()
+        rows.append({"mode": name, "max_gap": gaps[-1], "median_gap": gaps[len(gaps) // 2],
+                     "image_ttft": image_ttft, "settings": settings})
+    return rows
+
+
 def run(args) -> int:
     from mlxserve.bench import report
     from mlxserve.bench.engine import _parse_model
@@ -166,6 +218,7 @@ def run(args) -> int:
         turns = multi_turn(bench, args)
         abl = ablation(bench, args)
         res = resolutions(bench, args)
+        stall = decode_stall(bench, args) if args.stall_tokens else []
     finally:
         bench.close()
 
@@ -197,6 +250,11 @@ def run(args) -> int:
                 f"{r['cold']['ttft'] / r['hit']['ttft']:.1f}x", r["hit"]["suffix_alone"] * ms,
                 f"{r['hit']['ttft'] / r['hit']['suffix_alone']:.2f}x"] for r in res]),
           ""]
+    if stall:
+        md += [f"## A text stream's longest pause when a {args.size} px image request arrives\n",
+               report.table(["image prefill", "longest gap ms", "median gap ms", "image request TTFT ms"],
+                            [[r["mode"], r["max_gap"] * ms, r["median_gap"] * ms, r["image_ttft"] * ms]
+                             for r in stall]), ""]
     stats = turns["cached bytes"]
     pc, vc = stats["prefix_cache"], stats["vision_cache"]
     kv_per_token = pc["bytes"] / max(1, pc["blocks"] * pc["block_size"])
@@ -208,7 +266,8 @@ def run(args) -> int:
            f"for the image's {image_tokens} tokens.", ""]
     text = "\n".join(md)
     print(text)
-    report.write_result("multimodal", info, text, {"turns": turns, "ablation": abl, "resolutions": res},
+    report.write_result("multimodal", info, text, {"turns": turns, "ablation": abl, "resolutions": res,
+                                                    "stall": stall},
                         _plot, args.out_dir)
     return 0
 
