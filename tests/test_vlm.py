@@ -15,7 +15,7 @@ from mlxserve.engine.engine import AsyncEngine
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.multimodal.prompt import chat_prompt
 
-VLMS = ["qwen2.5-vl-tiny", "gemma3-vl-tiny"]
+VLMS = ["qwen2.5-vl-tiny", "gemma3-vl-tiny", "llava-tiny"]
 
 
 def picture(seed, size=(100, 120)):
@@ -282,14 +282,12 @@ def test_image_example_runs(vlm_server):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     first, second = [int(line.split()[3]) for line in out.stdout.splitlines() if line.startswith("[")]
-    assert first == 0 and second > 0  # the second question reuses the image's blocks
+    assert second > first  # the second question reuses the image's blocks, not only the text before it
 
 
 @pytest.mark.parametrize("shape", VLMS)
 def test_tower_run_in_slices_gives_the_same_tokens(tiny, shape):
     """vision_step_ms tiny: the tower pauses after every block, between decode steps of a text request."""
-    import threading
-
     loaded = tiny(shape)
     r1 = chat_request(loaded, [("user", [picture(11), "What is this?"])])
     text = chat_request(loaded, [("user", ["Tell me about lighthouses."])], max_tokens=30)
@@ -302,7 +300,7 @@ def test_tower_run_in_slices_gives_the_same_tokens(tiny, shape):
     try:
         got, got_text = (t for t, _ in run(sliced, fresh(r1), fresh(text)))
 
-        async def abandon():  # leave while the tower is mid-way: its helper thread must end
+        async def abandon():  # leave while the tower is mid-way: the helper must be freed for the next image
             stream = sliced.submit(fresh(chat_request(loaded, [("user", [picture(12), "Hi"])])))
             task = asyncio.ensure_future(stream.__anext__())
             await asyncio.sleep(0)
@@ -312,7 +310,3 @@ def test_tower_run_in_slices_gives_the_same_tokens(tiny, shape):
     finally:
         sliced.stop()
     assert got == ref and got_text == ref_text
-    deadline = time.monotonic() + 5
-    while any(t.name == "mlxserve-stepwise" for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(t.name == "mlxserve-stepwise" for t in threading.enumerate())

@@ -16,6 +16,7 @@ nothing.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -23,6 +24,25 @@ import mlx.core as mx
 
 _active = threading.local()  # the Stepwise running on this (helper) thread, if any
 _subclasses: dict[type, type] = {}
+_jobs: queue.Queue = queue.Queue()
+_worker: threading.Thread | None = None
+_worker_lock = threading.Lock()
+
+
+def _serve_jobs() -> None:
+    # One long-lived helper thread for every run: a new thread per image would
+    # pay the backend's per-thread setup each time.
+    while True:
+        _jobs.get()._run()
+
+
+def _submit(job: "Stepwise") -> None:
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = threading.Thread(target=_serve_jobs, name="mlxserve-stepwise", daemon=True)
+            _worker.start()
+    _jobs.put(job)
 
 
 class Cancelled(BaseException):
@@ -60,7 +80,7 @@ class Stepwise:
         self.result = None
         self.error: BaseException | None = None
         self.steps = 0
-        self._thread: threading.Thread | None = None
+        self._started = False
         self._go = threading.Semaphore(0)
         self._back = threading.Semaphore(0)
         self._cancelled = False
@@ -72,9 +92,9 @@ class Stepwise:
             return True
         self.steps += 1
         self._slice_start = time.perf_counter()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mlxserve-stepwise", daemon=True)
-            self._thread.start()
+        if not self._started:
+            self._started = True
+            _submit(self)
         else:
             self._go.release()
         self._back.acquire()
@@ -83,11 +103,11 @@ class Stepwise:
         return self.done
 
     def close(self) -> None:
-        """Abandon a paused run: its thread unwinds and ends."""
-        if self._thread is not None and not self.done:
+        """Abandon a paused run: the helper unwinds it and is free for the next."""
+        if self._started and not self.done:
             self._cancelled = True
             self._go.release()
-            self._thread.join()
+            self._back.acquire()  # wait until it has unwound
 
     def _run(self) -> None:
         _active.stepwise = self

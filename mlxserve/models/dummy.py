@@ -312,6 +312,36 @@ SHAPES = {
         "preprocessor_config": {"min_pixels": 3136, "max_pixels": 112 * 112, "patch_size": 14,
                                 "merge_size": 2, "temporal_patch_size": 2},
     },
+    "llava-tiny": {
+        "model_type": "llava",
+        "image_token_index": 151655,  # the Qwen vocabulary's <|image_pad|> stands in for <image>
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": QWEN_VOCAB,
+            "rope_theta": 10_000.0,
+            "max_position_embeddings": 4096,
+        },
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "num_hidden_layers": 3,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "image_size": 56,
+            "patch_size": 14,
+            "projection_dim": 32,
+        },
+        "preprocessor_config": {},
+    },
     "gemma3-vl-tiny": {
         "model_type": "gemma3",
         # The Qwen vocabulary's vision tokens stand in for Gemma's
@@ -366,6 +396,7 @@ DESCRIPTIONS = {
     "qwen2.5-vl-3b": "Qwen2.5-VL-3B (vision-language: 32-block ViT, M-RoPE)",
     "qwen2.5-vl-mid": "Qwen2.5-VL, 0.5B text model and an 8-block tower (CPU benchmarks)",
     "qwen2.5-vl-tiny": "tiny Qwen2.5-VL for tests (images up to 112x112 px, 16 tokens)",
+    "llava-tiny": "tiny LLaVA-1.5 for tests (56 px CLIP, 16 tokens)",
     "gemma3-vl-tiny": "tiny Gemma 3 vision-language for tests (64 px SigLIP, 16 tokens, window 16)",
 }
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "gemma3")
+VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "gemma3", "llava")
 
 
 def is_vlm_config(config: dict) -> bool:
@@ -251,13 +251,8 @@ class Gemma3VL(VisionAdapter):
         return list(self.model.vision_tower.vision_model.encoder.layers)
 
     def preprocess(self, image) -> ImageInput:
-        from PIL import Image
-
-        # What Gemma3ImageProcessor does without pan-and-scan: a bilinear
-        # resize to the tower's square input, scale to [0, 1], normalize.
-        img = image.convert("RGB").resize((self.size, self.size), Image.Resampling.BILINEAR)
-        x = (np.asarray(img, np.float32) / 255.0 - self.mean) / self.std
-        return ImageInput(x.transpose(2, 0, 1)[None].copy(), None, self.tokens_per_image)
+        return ImageInput(_square_pixels(image, self.size, self.mean, self.std, crop=False), None,
+                          self.tokens_per_image)
 
     def placeholder(self, image: ImageInput) -> str:
         start, soft, end = self._wrap
@@ -276,7 +271,63 @@ class Gemma3VL(VisionAdapter):
         return feats / math.sqrt(m.config.text_config.hidden_size)
 
 
-ADAPTERS = {"qwen2_5_vl": QwenVL, "qwen2_vl": QwenVL, "gemma3": Gemma3VL}
+def _square_pixels(image, size: int, mean, std, crop: bool):
+    """A square tower input: resize (shortest side, then center crop, if `crop`), scale to [0, 1], normalize.
+
+    What Gemma3ImageProcessor (no pan-and-scan: plain resize) and
+    CLIPImageProcessor (shortest side, center crop) do, in numpy, so no
+    torch-backed processor is needed.
+    """
+    from PIL import Image
+
+    image = image.convert("RGB")
+    if crop:
+        scale = size / min(image.size)
+        w, h = max(size, round(image.width * scale)), max(size, round(image.height * scale))
+        image = image.resize((w, h), Image.Resampling.BICUBIC)
+        left, top = (w - size) // 2, (h - size) // 2
+        image = image.crop((left, top, left + size, top + size))
+    else:
+        image = image.resize((size, size), Image.Resampling.BILINEAR)
+    x = (np.asarray(image, np.float32) / 255.0 - mean) / std
+    return x.transpose(2, 0, 1)[None].copy()
+
+
+class Llava(VisionAdapter):
+    """LLaVA(-1.5): a CLIP tower at a fixed size, one token per patch (CLS dropped), an MLP projector."""
+
+    family = "llava"
+    CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+    CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+    def __init__(self, model, config, processor_config, tokenizer):
+        super().__init__(model, config, processor_config, tokenizer)
+        self.image_token_id = config.get("image_token_index", 32000)
+        vc = config["vision_config"]
+        self.size = vc.get("image_size", 336)
+        self.tokens_per_image = (self.size // vc.get("patch_size", 14)) ** 2
+        self.mean = np.array(processor_config.get("image_mean", self.CLIP_MEAN), np.float32)
+        self.std = np.array(processor_config.get("image_std", self.CLIP_STD), np.float32)
+
+    def tower_blocks(self) -> list:
+        return list(self.model.vision_tower.vision_model.encoder.layers)
+
+    def preprocess(self, image) -> ImageInput:
+        return ImageInput(_square_pixels(image, self.size, self.mean, self.std, crop=True), None,
+                          self.tokens_per_image)
+
+    def placeholder(self, image: ImageInput) -> str:
+        return self.token_text(self.image_token_id) * image.num_tokens
+
+    def encode(self, image: ImageInput):
+        import mlx.core as mx
+
+        # mlx-vlm's own merge on a prompt of only image tokens: its rows are the image's embeddings.
+        ids = mx.array([[self.image_token_id] * image.num_tokens])
+        return self.model.get_input_embeddings(ids, mx.array(image.pixel_values)).inputs_embeds[0]
+
+
+ADAPTERS = {"qwen2_5_vl": QwenVL, "qwen2_vl": QwenVL, "gemma3": Gemma3VL, "llava": Llava}
 
 
 def make_adapter(model, config: dict, processor_config: dict, tokenizer) -> VisionAdapter:
