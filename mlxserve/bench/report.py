@@ -15,6 +15,9 @@ from pathlib import Path
 
 
 def commit() -> str:
+    # A copy of the tree elsewhere (the GPU machine) may carry stale git metadata: let the caller say.
+    if os.environ.get("MLXSERVE_COMMIT"):
+        return os.environ["MLXSERVE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, check=True, cwd=Path(__file__).parent)
