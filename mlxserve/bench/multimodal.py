@@ -10,13 +10,15 @@ The vllm-mlx paper's tables, on one model:
 
 Time to first token (TTFT) and whole-turn latency include fetching nothing
 (images are in memory) but do include preprocessing and pixel hashing, which
-a server pays on every turn. "Suffix alone" is the TTFT of the turn's new
-user message as a text-only prompt on an empty cache: the floor a hit can reach.
+a server pays on every turn. "Suffix alone" is the TTFT of a text-only prompt
+as long as what the turn left uncached (its new message, plus the tail of the
+last partial block), prefilled on an empty cache: the floor a hit can reach.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 import time
 
@@ -96,16 +98,26 @@ class Bench:
                 content.insert(0, {"type": "image", "image": image})
             messages.append({"role": "user", "content": content})
             row = self.turn(engine, messages)
-            row["suffix_alone"] = self.suffix_alone(QUESTIONS[t % len(QUESTIONS)])
+            row["suffix_alone"] = self.suffix_alone(row["prompt"] - row["cached"])
             messages.append({"role": "assistant", "content": row.pop("answer")})
             rows.append(row)
         return rows
 
-    def suffix_alone(self, question: str) -> float:
+    def suffix_alone(self, n: int) -> float:
+        from mlxserve.engine.request import Request, SamplingParams
+
         if not hasattr(self, "_plain"):
             self._plain = self.engine(prefix=False, vision=False)
-            self.turn(self._plain, [{"role": "user", "content": "warm up"}], max_tokens=1)
-        return self.turn(self._plain, [{"role": "user", "content": question}], max_tokens=1)["ttft"]
+        rng = random.Random(n)
+        tokens = [rng.randrange(1000, 30000) for _ in range(n)]
+
+        async def go():
+            start = time.perf_counter()
+            async for _ in self._plain.submit(Request(tokens, SamplingParams(temperature=0, max_tokens=1))):
+                return time.perf_counter() - start
+
+        asyncio.run(go())  # the first run of a length compiles its shapes
+        return asyncio.run(go())
 
     def close(self):
         if hasattr(self, "_plain"):
