@@ -60,6 +60,20 @@ class Nested(NamedTuple):
     parts: tuple
 
 
+class Payload(list):
+    """A block's entries, one per layer.
+
+    When the block's full-attention layers (plain KVCache rows) share a shape,
+    `stack` holds all their keys then all their values in ONE array
+    (2 * len(stack_layers), 1, kv_heads, block_size, head_dim) and their
+    entries are views of it: a restore then concatenates one array per block
+    instead of one per block and layer (on a GPU each is a kernel launch).
+    """
+
+    stack = None
+    stack_layers: tuple = ()
+
+
 class PositionState(ArraysCache):
     """Per-sequence rotary position offset, carried in the cache list.
 
@@ -230,9 +244,11 @@ def fill_missing(old, new):
     """`old` with its missing entries (CacheList parts too) taken from `new`; None if `new` adds nothing."""
     if len(old) != len(new):
         raise ValueError("payloads of different layer counts")
-    merged = [_merge_entry(o, n) for o, n in zip(old, new)]
+    merged = Payload(_merge_entry(o, n) for o, n in zip(old, new))
     if sum(map(_present, merged)) == sum(map(_present, old)):
         return None
+    if isinstance(old, Payload):  # its full-attention entries are kept, so is their stack
+        merged.stack, merged.stack_layers = old.stack, old.stack_layers
     return merged
 
 
@@ -243,9 +259,31 @@ def _copy(x: mx.array) -> mx.array:
     return mx.contiguous(x)
 
 
-def _take(x: mx.array, rows: slice, runs) -> mx.array:
+def _take(x: mx.array, rows: slice, runs, view: bool = False) -> mx.array:
     parts = [x[rows, :, a:b, :] for a, b in runs]
-    return _copy(parts[0]) if len(parts) == 1 else mx.concatenate(parts, axis=2)
+    if len(parts) == 1:
+        return parts[0] if view else _copy(parts[0])
+    return mx.concatenate(parts, axis=2)
+
+
+def _stackable(c) -> bool:
+    return type(c) in (KVCache, BatchKVCache)
+
+
+def _stacked(entries: list, cache_layers) -> Payload:
+    """A Payload whose full-attention KV (views into the cache, from `view=True`) is one stacked copy."""
+    payload = Payload(entries)
+    full = [i for i, c in enumerate(cache_layers) if _stackable(c) and isinstance(entries[i], KV)]
+    if len(full) > 1 and len({(entries[i].keys.shape, entries[i].keys.dtype) for i in full}) == 1:
+        n = len(full)
+        stack = mx.stack([entries[i].keys for i in full] + [entries[i].values for i in full])
+        for j, i in enumerate(full):
+            payload[i] = KV(stack[j], stack[n + j])
+        payload.stack, payload.stack_layers = stack, tuple(full)
+    else:
+        for i in full:
+            payload[i] = KV(_copy(entries[i].keys), _copy(entries[i].values))
+    return payload
 
 
 # ---- single-sequence caches ----
@@ -298,7 +336,8 @@ def _extract_single(c, start, end, state_here):
         runs = [(start, end)] if isinstance(c, KVCache) else _rotating_runs(c, start, end)
         if runs is None:
             return None
-        return KV(_take(c.keys, slice(0, 1), runs), _take(c.values, slice(0, 1), runs))
+        view = _stackable(c)  # copied by _stacked
+        return KV(_take(c.keys, slice(0, 1), runs, view), _take(c.values, slice(0, 1), runs, view))
     if isinstance(c, QuantizedKVCache):
         if c.keys is None or end > c.offset:
             return None
@@ -342,12 +381,13 @@ def _extract_span(cache_layers, offsets, start_token, block_size, n_blocks, num_
         start = start_token + b * block_size
         end = start + block_size
         state_here = state_ok and end == num_tokens
-        payloads.append(
+        payloads.append(_stacked(
             [
                 extract_one(c, start, end, state_here) if layers is None or i in layers else None
                 for i, c in enumerate(cache_layers)
-            ]
-        )
+            ],
+            cache_layers,
+        ))
     return payloads
 
 
@@ -408,7 +448,8 @@ def _extract_row(c, row, start, end, state_here, seen):
         if runs is None:
             return None
         rows = slice(row, row + 1)
-        return KV(_take(c.keys, rows, runs), _take(c.values, rows, runs))
+        view = _stackable(c)  # copied by _stacked
+        return KV(_take(c.keys, rows, runs, view), _take(c.values, rows, runs, view))
     if isinstance(c, PositionState):
         return None
     if isinstance(c, ArraysCache):
@@ -566,7 +607,27 @@ def restore_cache(model, payloads, num_tokens: int, *, block_size: int | None = 
     for p in payloads:
         if len(p) != len(template):
             raise ValueError(f"payload has {len(p)} layers, the model {len(template)}")
-    caches = [
-        _restore_layer(t, [p[i] for p in payloads], num_tokens, block_size) for i, t in enumerate(template)
+    stacked = _restore_stacked(payloads, num_tokens)
+    return [
+        stacked[i] if i in stacked else _restore_layer(t, [p[i] for p in payloads], num_tokens, block_size)
+        for i, t in enumerate(template)
     ]
-    return caches
+
+
+def _restore_stacked(payloads, num_tokens: int) -> dict:
+    """{layer: KVCache} for the full-attention layers every payload has stacked alike (else {})."""
+    first = payloads[0]
+    if not all(isinstance(p, Payload) and p.stack is not None and p.stack_layers == first.stack_layers
+               for p in payloads):
+        return {}
+    # One concatenation for all layers; each layer's cache is a view of it (fresh
+    # arrays: a cache's in-place updates never reach a block's).
+    all_layers = mx.concatenate([p.stack for p in payloads], axis=3)[..., :num_tokens, :]
+    n = len(first.stack_layers)
+    out = {}
+    for j, i in enumerate(first.stack_layers):
+        c = KVCache()
+        c.keys, c.values = all_layers[j], all_layers[n + j]
+        c.offset = num_tokens
+        out[i] = c
+    return out
