@@ -178,7 +178,8 @@ async def prepare_chat_images(state: ServerState, messages: list[ChatMessage]) -
         raise bad_request(f"{where}: content of type 'image_url' is not supported; this model "
                           "takes text only", f"{where}.type")
     try:
-        return await asyncio.to_thread(prepare_images, vision, sources, state.media_limits)
+        return await asyncio.to_thread(prepare_images, vision, sources, state.media_limits,
+                                       state.engine.has_image_embeddings)
     except ImagePartError as e:
         raise bad_request(str(e), e.where) from None
 

@@ -179,6 +179,11 @@ class AsyncEngine:
 
         return await asyncio.wrap_future(self.call(reset))
 
+    def has_image_embeddings(self, content_hash: str) -> bool:
+        """Whether the vision cache holds this image now (a lock-free peek from any thread: it may be evicted soon)."""
+        vc, vision = self.vision_cache, self.loaded.vision
+        return vc is not None and vc.contains((self.loaded.fingerprint, content_hash, vision.settings_key()))
+
     def abort(self, request_id: str) -> None:
         """Free the request's slot at the next step; its stream ends with finish_reason "abort"."""
         stream = self._streams.pop(request_id, None)

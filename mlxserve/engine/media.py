@@ -6,10 +6,12 @@ prompt chunk through the language model, fed as embeddings. Between units the
 runner decodes the other requests, so an image arriving mid-stream stalls
 them for one unit, not for the whole encode and prefill.
 
-The prompt is prefilled up to its last token; then the sequence joins the
-solo path or the batch like any text request, with its cache and (Qwen-VL)
-its rope delta set, and the last token's forward pass gives its first
-output token.
+The prompt is prefilled up to the end of its last image (never its last
+token); then the sequence joins the solo path or the batch like any text
+request, with its cache and (Qwen-VL) its rope delta set: the text after the
+images is prefilled there, and the forward pass of the last prompt chunk gives
+the first output token (no extra pass for the last token). When the prefix
+cache already holds every image, there is nothing to do here but set the delta.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ class MediaPrefill:
         self.prompt = list(seq.request.prompt_token_ids)
         self.cache = cache if cache is not None else make_prompt_cache(vision.text_model)
         self.done = seq.cached_tokens  # prompt tokens in the cache
-        self.end = len(self.prompt) - 1  # the last token is left for the decoder
+        images_end = max(im.start + im.num_tokens for im in seq.request.images)
+        # Text after the last image goes the text path (positions = offset + delta there).
+        self.end = max(self.done, min(images_end, len(self.prompt) - 1))
         self.features: dict[int, mx.array] = {}  # image index -> its embeddings
         self.positions = None
         self.delta = 0
@@ -53,7 +57,7 @@ class MediaPrefill:
         ]
 
     def _key(self, image) -> tuple:
-        return (self.fingerprint, image.content_hash, self.vision.settings_key())
+        return (self.fingerprint, image.content_hash, self.vision.settings_key())  # as AsyncEngine.has_image_embeddings
 
     def _encode(self, i: int) -> None:
         """Advance image i: from the vision cache at once, else one slice of the tower."""

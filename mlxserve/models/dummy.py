@@ -351,6 +351,10 @@ SHAPES = {
         "eoi_token_index": 151653,
         "mm_tokens_per_image": 16,
         "tie_word_embeddings": False,
+        # mlx-vlm divides image features by sqrt of this top-level size (default 2048), where
+        # Hugging Face's Gemma 3 leaves them unscaled, i.e. sqrt(text hidden) here; setting it
+        # makes the two agree (mlxserve's adapter always uses the text hidden size).
+        "hidden_size": 64,
         "text_config": {
             "model_type": "gemma3_text",
             "hidden_size": 64,

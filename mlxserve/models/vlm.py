@@ -34,15 +34,18 @@ def is_vlm_config(config: dict) -> bool:
 
 @dataclass
 class ImageInput:
-    """One image, preprocessed for the tower (numpy: made off the MLX thread)."""
+    """One image for the tower: its token count now, its pixel array when needed.
 
-    pixel_values: np.ndarray
+    Made off the MLX thread. When the vision cache already holds the image's
+    embeddings, the pixel array is not computed (for a 1024 px Qwen image it
+    costs ~80 ms a turn); `image` is kept so it can still be, if the entry
+    was evicted meanwhile.
+    """
+
+    pixel_values: np.ndarray | None
     grid_thw: tuple[int, int, int] | None  # Qwen: (t, h, w) patch grid
     num_tokens: int  # placeholder tokens it takes in the prompt
-
-    @property
-    def nbytes(self) -> int:
-        return self.pixel_values.nbytes
+    image: object = None  # the decoded image, while pixel_values is None
 
 
 class TextModel:
@@ -119,11 +122,29 @@ class VisionAdapter:
 
     def settings_key(self) -> str:
         """What, besides the pixels, decides an image's embeddings (part of the vision-cache key)."""
-        return json.dumps({"family": self.family, "processor": self.processor_config}, sort_keys=True)
+        if not hasattr(self, "_settings_key"):
+            self._settings_key = json.dumps({"family": self.family, "processor": self.processor_config},
+                                            sort_keys=True)
+        return self._settings_key
 
     def tower_blocks(self) -> list:
         """The vision tower's transformer blocks: an encode may pause after any of them."""
         return []
+
+    def preprocess(self, image, pixels: bool = True) -> ImageInput:
+        """The image's token count, and its pixel array unless `pixels` is False."""
+        inp = self._layout(image)
+        if pixels:
+            inp.pixel_values = self._pixels(image)
+        else:
+            inp.image = image
+        return inp
+
+    def pixels(self, inp: ImageInput) -> np.ndarray:
+        if inp.pixel_values is None:
+            inp.pixel_values = self._pixels(inp.image)
+            inp.image = None
+        return inp.pixel_values
 
     def embed(self, token_ids, spans):
         """Input embeddings of a prompt chunk.
@@ -183,10 +204,15 @@ class QwenVL(VisionAdapter):
     def tower_blocks(self) -> list:
         return list(self.model.vision_tower.blocks)
 
-    def preprocess(self, image) -> ImageInput:
-        out = self.image_processor(images=[image])
-        grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"])[0])
-        return ImageInput(np.asarray(out["pixel_values"]), grid, math.prod(grid) // self.merge**2)
+    def _layout(self, image) -> ImageInput:
+        # The processor's own size rule (smart resize to multiples of patch x merge).
+        h, w = self.image_processor._resolved_size(image.height, image.width)
+        patch = self.image_processor.patch_size
+        grid = (1, h // patch, w // patch)
+        return ImageInput(None, grid, math.prod(grid) // self.merge**2)
+
+    def _pixels(self, image) -> np.ndarray:
+        return np.asarray(self.image_processor(images=[image])["pixel_values"])
 
     def placeholder(self, image: ImageInput) -> str:
         start, pad, end = self._wrap
@@ -197,7 +223,7 @@ class QwenVL(VisionAdapter):
 
         tower = self.model.vision_tower
         dtype = tower.patch_embed.proj.weight.dtype
-        pixels = mx.array(image.pixel_values).astype(dtype)
+        pixels = mx.array(self.pixels(image)).astype(dtype)
         return tower(pixels, mx.array([image.grid_thw]), output_hidden_states=False)
 
     def positions(self, token_ids, images):
@@ -250,9 +276,11 @@ class Gemma3VL(VisionAdapter):
     def tower_blocks(self) -> list:
         return list(self.model.vision_tower.vision_model.encoder.layers)
 
-    def preprocess(self, image) -> ImageInput:
-        return ImageInput(_square_pixels(image, self.size, self.mean, self.std, crop=False), None,
-                          self.tokens_per_image)
+    def _layout(self, image) -> ImageInput:
+        return ImageInput(None, None, self.tokens_per_image)
+
+    def _pixels(self, image) -> np.ndarray:
+        return _square_pixels(image, self.size, self.mean, self.std, crop=False)
 
     def placeholder(self, image: ImageInput) -> str:
         start, soft, end = self._wrap
@@ -263,7 +291,7 @@ class Gemma3VL(VisionAdapter):
 
         m = self.model
         dtype = m.language_model.model.embed_tokens.weight.dtype
-        pixels = mx.array(image.pixel_values).transpose(0, 2, 3, 1).astype(dtype)
+        pixels = mx.array(self.pixels(image)).transpose(0, 2, 3, 1).astype(dtype)
         hidden, _, _ = m.vision_tower(pixels, output_hidden_states=False)
         feats = m.multi_modal_projector(hidden)[0]
         # Gemma's language model scales its input embeddings by sqrt(hidden);
@@ -312,9 +340,11 @@ class Llava(VisionAdapter):
     def tower_blocks(self) -> list:
         return list(self.model.vision_tower.vision_model.encoder.layers)
 
-    def preprocess(self, image) -> ImageInput:
-        return ImageInput(_square_pixels(image, self.size, self.mean, self.std, crop=True), None,
-                          self.tokens_per_image)
+    def _layout(self, image) -> ImageInput:
+        return ImageInput(None, None, self.tokens_per_image)
+
+    def _pixels(self, image) -> np.ndarray:
+        return _square_pixels(image, self.size, self.mean, self.std, crop=True)
 
     def placeholder(self, image: ImageInput) -> str:
         return self.token_text(self.image_token_id) * image.num_tokens
@@ -324,7 +354,7 @@ class Llava(VisionAdapter):
 
         # mlx-vlm's own merge on a prompt of only image tokens: its rows are the image's embeddings.
         ids = mx.array([[self.image_token_id] * image.num_tokens])
-        return self.model.get_input_embeddings(ids, mx.array(image.pixel_values)).inputs_embeds[0]
+        return self.model.get_input_embeddings(ids, mx.array(self.pixels(image))).inputs_embeds[0]
 
 
 ADAPTERS = {"qwen2_5_vl": QwenVL, "qwen2_vl": QwenVL, "gemma3": Gemma3VL, "llava": Llava}

@@ -29,12 +29,17 @@ class ImagePartError(MediaError):
         self.where = where
 
 
-def prepare_images(vision, sources: list[tuple[str, str]], limits: MediaLimits) -> list[PreparedImage]:
-    """Fetch, decode, hash and preprocess each (where, url). Blocking: run it in a thread."""
+def prepare_images(vision, sources: list[tuple[str, str]], limits: MediaLimits,
+                   have_embeddings=None) -> list[PreparedImage]:
+    """Fetch, decode, hash and preprocess each (where, url). Blocking: run it in a thread.
+
+    `have_embeddings(content_hash)` says whether the vision cache holds an
+    image already; then its pixel array is left to be made only if needed.
+    """
     out = []
     for where, url in sources:
         try:
-            out.append(_prepared(vision, where, load_image(url, limits)))
+            out.append(_prepared(vision, where, load_image(url, limits), have_embeddings))
         except MediaError as e:
             raise ImagePartError(where, str(e)) from None
         except Exception as e:  # noqa: BLE001 - the processor refusing an image (e.g. too small)
@@ -61,7 +66,8 @@ def image_spans(prompt_ids: list[int], image_token_id: int, images: list[Prepare
     return [PromptImage(im.content_hash, start, length, im.pixels) for (start, length), im in zip(runs, images)]
 
 
-def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None, **template_kwargs):
+def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None, have_embeddings=None,
+                **template_kwargs):
     """(prompt token ids, PromptImages) of a chat whose messages may hold images.
 
     For Python callers (the LLM class, benchmarks): content is a string or a
@@ -85,10 +91,11 @@ def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None,
                     raise MediaError(f"messages[{i}].content[{j}]: this model takes text only")
                 if part.get("type") == "image":
                     image = part["image"].convert("RGB")
-                    prepared = _prepared(vision, f"messages[{i}].content[{j}]", LoadedImage(image, pixel_hash(image)))
+                    prepared = _prepared(vision, f"messages[{i}].content[{j}]", LoadedImage(image, pixel_hash(image)),
+                                         have_embeddings)
                 else:
                     (prepared,) = prepare_images(vision, [(f"messages[{i}].content[{j}]", part["image_url"]["url"])],
-                                                 limits or MediaLimits())
+                                                 limits or MediaLimits(), have_embeddings)
                 images.append(prepared)
                 text += prepared.placeholder
             m = {**m, "content": text}
@@ -97,6 +104,7 @@ def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None,
     return ids, (image_spans(ids, vision.image_token_id, images) if images else [])
 
 
-def _prepared(vision, where: str, loaded_image) -> PreparedImage:
-    pixels = vision.preprocess(loaded_image.image)
+def _prepared(vision, where: str, loaded_image, have_embeddings=None) -> PreparedImage:
+    cached = have_embeddings is not None and have_embeddings(loaded_image.content_hash)
+    pixels = vision.preprocess(loaded_image.image, pixels=not cached)
     return PreparedImage(where, loaded_image.content_hash, pixels, vision.placeholder(pixels))

@@ -30,6 +30,9 @@ class VisionCache:
         self.hits += 1
         return feats
 
+    def contains(self, key: tuple) -> bool:
+        return key in self.entries  # one dict lookup: safe from another thread
+
     def put(self, key: tuple, feats) -> None:
         size = feats.nbytes
         if key in self.entries or size > self.budget:
