@@ -87,12 +87,19 @@ class MediaPrefill:
             self.encoding[1].close()
             self.encoding = None
 
+    def _ensure_positions(self) -> None:
+        if self.positions is None and self.vision.text_model.mrope:
+            images = [im.pixels for im in self.seq.request.images]
+            self.positions, self.delta = self.vision.positions(self.prompt, images)
+
+    def images_ready(self) -> bool:
+        """Every image the rest of the prompt needs has its embeddings (no tower work left)."""
+        return self.encoding is None and all(i in self.features for i in self._needed(self.done, self.end))
+
     def step(self) -> None:
         """One unit of work: encode one image or prefill one chunk."""
         with mx.stream(generation_stream):
-            if self.positions is None and self.vision.text_model.mrope:
-                images = [im.pixels for im in self.seq.request.images]
-                self.positions, self.delta = self.vision.positions(self.prompt, images)
+            self._ensure_positions()
             start, end = self.done, min(self.done + self.chunk_size, self.end)
             missing = [i for i in self._needed(start, end) if i not in self.features]
             if missing:
@@ -100,14 +107,33 @@ class MediaPrefill:
             else:
                 self._prefill(start, end)
 
+    def __call__(self, start: int, end: int) -> dict:
+        """Embeddings (and M-RoPE positions) of prompt tokens [start, end): the solo path's
+        `prompt_inputs` (needed up to `self.end`, the last image's end)."""
+        with mx.stream(generation_stream):
+            self._ensure_positions()
+            return {"inputs_embeds": self._embeds(start, end),
+                    "positions": None if self.positions is None else self.positions[..., start:end]}
+
+    def handover_cache(self):
+        """The cache, with the rope delta set, for the path that takes the sequence over."""
+        with mx.stream(generation_stream):
+            self._ensure_positions()
+        if self.vision.text_model.mrope:
+            self.cache[-1].set(self.delta)
+        return self.cache
+
+    def _embeds(self, start: int, end: int):
+        spans = []
+        for i in self._needed(start, end):
+            im = self.seq.request.images[i]
+            lo, hi = max(start, im.start), min(end, im.start + im.num_tokens)
+            spans.append((lo - start, self.features[i][lo - im.start : hi - im.start]))
+        return self.vision.embed(self.prompt[start:end], spans)
+
     def _prefill(self, start: int, end: int) -> None:
         if end > start:
-            spans = []
-            for i in self._needed(start, end):
-                im = self.seq.request.images[i]
-                lo, hi = max(start, im.start), min(end, im.start + im.num_tokens)
-                spans.append((lo - start, self.features[i][lo - im.start : hi - im.start]))
-            embeds = self.vision.embed(self.prompt[start:end], spans)
+            embeds = self._embeds(start, end)
             positions = None if self.positions is None else self.positions[..., start:end]
             tokens = mx.array(self.prompt[start:end])[None]
             self.vision.text_model(tokens, cache=self.cache, positions=positions, inputs_embeds=embeds)

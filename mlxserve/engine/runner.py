@@ -74,8 +74,12 @@ def _event(seq: Sequence, token: int, finish: str | None, row: mx.array | None) 
 class SoloDecoder:
     """One sequence, prefilled in chunks and decoded like `generate_step`."""
 
-    def __init__(self, model, seq: Sequence, chunk_size: int, cache=None, prefix_cache=None, prefilled=None):
+    def __init__(self, model, seq: Sequence, chunk_size: int, cache=None, prefix_cache=None, prefilled=None,
+                 prompt_inputs=None):
         self.model = model
+        # For prompts with images: prompt_inputs(start, end) gives the model's extra inputs
+        # (embeddings, positions) for prompt tokens [start, end); prompt_inputs.end is where they stop.
+        self.prompt_inputs = prompt_inputs
         self.seq = seq
         self.chunk_size = chunk_size
         self.prefix_cache = prefix_cache
@@ -92,8 +96,15 @@ class SoloDecoder:
         if self.seq.processors:
             self.context = tokens if self.context is None else mx.concat([self.context, tokens])
 
-    def _forward(self, tokens: mx.array):
-        logits = self.model(tokens[None], cache=self.cache)[:, -1, :]
+    def _inputs(self, n: int) -> dict:
+        """Extra model inputs for the next n prompt tokens (none for text)."""
+        start = len(self.in_cache)
+        if self.prompt_inputs is None or start >= self.prompt_inputs.end:
+            return {}
+        return self.prompt_inputs(start, start + n)
+
+    def _forward(self, tokens: mx.array, inputs: dict | None = None):
+        logits = self.model(tokens[None], cache=self.cache, **(inputs or {}))[:, -1, :]
         if self.seq.processors:
             self._extend_context(tokens)
             for processor in self.seq.processors:
@@ -104,26 +115,29 @@ class SoloDecoder:
         mx.async_eval(token, logprobs)
         return token, logprobs[0]
 
+    def _prefill_chunk(self, n: int) -> None:
+        chunk = self.todo[:n]
+        chunk_arr = mx.array(chunk)
+        self.model(chunk_arr[None], cache=self.cache, **self._inputs(n))
+        self._extend_context(chunk_arr)
+        mx.eval([c.state for c in self.cache])
+        self.in_cache += chunk
+        self.todo = self.todo[n:]
+        self.store_blocks()
+
     def step(self) -> TokenEvent | None:
         with mx.stream(generation_stream):
             if len(self.todo) > self.chunk_size:  # prefill one chunk
-                n = self.chunk_size
-                chunk = self.todo[:n]
-                chunk_arr = mx.array(chunk)
-                self.model(chunk_arr[None], cache=self.cache)
-                self._extend_context(chunk_arr)
-                mx.eval([c.state for c in self.cache])
-                self.in_cache += chunk
-                self.todo = self.todo[n:]
-                self.store_blocks()
+                self._prefill_chunk(self.chunk_size)
                 return None
             if self.pending is None:
                 # The rest of the prompt fits one chunk: its forward pass ends with the
                 # logits of the last prompt token, the first output token. (generate_step
                 # runs the last token as a pass of its own: one more step of latency.)
-                self.pending = self._forward(mx.array(self.todo))
+                self.pending = self._forward(mx.array(self.todo), self._inputs(len(self.todo)))
                 self.in_cache += self.todo
                 self.todo = []
+                self.prompt_inputs = None  # its embeddings are no longer needed
                 self.store_blocks()
             return self._emit(pipeline=True)
 
@@ -155,6 +169,10 @@ class SoloDecoder:
         the batch must still process, and the tokens already in the cache.
         """
         if self.pending is None:
+            # The batch takes token ids only: prefill what needs embeddings (images) here first.
+            with mx.stream(generation_stream):
+                while self.prompt_inputs is not None and len(self.in_cache) < self.prompt_inputs.end:
+                    self._prefill_chunk(min(self.chunk_size, self.prompt_inputs.end - len(self.in_cache)))
             return None, self.todo, self.in_cache
         with mx.stream(generation_stream):
             event = self._emit(pipeline=False)
@@ -225,10 +243,14 @@ class Runner:
             return []
         return self._start(seq, cache, seq.cached_tokens)
 
-    def _start(self, seq: Sequence, cache, prefilled: int) -> list[TokenEvent]:
+    def _solo_free(self) -> bool:
+        return self.solo_fast_path and self.solo is None and not self.batch
+
+    def _start(self, seq: Sequence, cache, prefilled: int, prompt_inputs=None) -> list[TokenEvent]:
         """Run a sequence whose first `prefilled` prompt tokens are in `cache`."""
-        if self.solo_fast_path and self.solo is None and not self.batch:
-            self.solo = SoloDecoder(self.model, seq, self.prefill_chunk_size, cache, self.prefix_cache, prefilled)
+        if self._solo_free():
+            self.solo = SoloDecoder(self.model, seq, self.prefill_chunk_size, cache, self.prefix_cache, prefilled,
+                                    prompt_inputs)
             return []
         events = []
         if self.solo is not None:
@@ -288,6 +310,11 @@ class Runner:
     def _media_step(self) -> list[TokenEvent]:
         m = self.media[0]
         try:
+            if m.images_ready() and self._solo_free():
+                # Alone: the solo path prefills the rest, image rows included, so the
+                # last chunk's pass also gives the first token.
+                self.media.pop(0)
+                return self._start(m.seq, m.handover_cache(), m.done, m)
             m.step()
         except Exception as e:  # noqa: BLE001 - fail this request, keep the others running
             log.exception("image prefill failed")
