@@ -44,6 +44,7 @@ class MediaPrefill:
         self.positions = None
         self.delta = 0
         self.encoded = 0  # images run through the tower (cache misses)
+        self._take_cached()
 
     @property
     def finished(self) -> bool:
@@ -58,6 +59,15 @@ class MediaPrefill:
 
     def _key(self, image) -> tuple:
         return (self.fingerprint, image.content_hash, self.vision.settings_key())  # as AsyncEngine.has_image_embeddings
+
+    def _take_cached(self) -> None:
+        """Take every needed image the vision cache holds now (no step needed for those)."""
+        if self.vision_cache is None:
+            return
+        for i in self._needed(self.done, self.end):
+            key = self._key(self.seq.request.images[i])
+            if self.vision_cache.contains(key):  # a miss is counted once, by _encode
+                self.features[i] = self.vision_cache.get(key)
 
     def _encode(self, i: int) -> None:
         """Advance image i: from the vision cache at once, else one slice of the tower."""
