@@ -339,3 +339,25 @@ def test_engine_matches_mlx_vlms_own_forward_pass(tiny, shape):
     while len(want) < 8:
         want.append(mx.argmax(lm(mx.array([[want[-1]]]), cache=cache).logits[0, -1]).item())
     assert got == want
+
+
+def test_anthropic_client_sends_images(vlm_server):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=vlm_server.url, api_key="unused")
+    png = base64.b64encode(png_bytes(picture(21))).decode()
+    content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}},
+               {"type": "text", "text": "What is in this picture?"}]
+    first = client.messages.create(model="qwen2.5-vl-tiny", max_tokens=4, extra_body={"temperature": 0},
+                                   messages=[{"role": "user", "content": content}])
+    again = client.messages.create(model="qwen2.5-vl-tiny", max_tokens=4, extra_body={"temperature": 0},
+                                   messages=[{"role": "user", "content": content}])
+    assert first.content[0].text == again.content[0].text
+    assert again.usage.cache_read_input_tokens > first.usage.cache_read_input_tokens
+    counted = client.messages.count_tokens(model="qwen2.5-vl-tiny", messages=[{"role": "user", "content": content}])
+    assert counted.input_tokens == first.usage.input_tokens + first.usage.cache_read_input_tokens
+    bad = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="qwen2.5-vl-tiny", max_tokens=4, messages=[{"role": "user", "content": bad}])
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages.0.content.0" in e.value.body["error"]["message"]

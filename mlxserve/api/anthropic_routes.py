@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from mlxserve.api.anthropic_schema import CountTokensRequest, MessagesRequest, Conversation
+from mlxserve.api import images
 from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
 from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect
 from mlxserve.api.openai_routes import CLIENT_CLOSED, state_of
@@ -57,19 +58,46 @@ def template_tools(body: Conversation) -> list[dict] | None:
         "parameters": t.input_schema}} for t in body.tools]
 
 
-def block_text(content, where: str) -> str:
+def block_text(content, where: str, placeholders=None) -> str:
+    """Text blocks joined by newlines; image blocks (user turns) become their placeholder text."""
     if isinstance(content, str):
         return content
-    texts = []
+    out, prev_text = [], False
     for j, block in enumerate(content):
-        if block.type != "text" or block.text is None:
+        if block.type == "image" and placeholders is not None:
+            out.append(next(placeholders))
+            prev_text = False
+        elif block.type == "text" and block.text is not None:
+            out.append(("\n" if prev_text else "") + block.text)
+            prev_text = True
+        else:
+            what = "text only" if placeholders is None else "text and images"
             raise bad_request(f"{where}.{j}: content blocks of type {block.type!r} are not "
-                              "supported here; this model takes text only", f"{where}.{j}.type")
-        texts.append(block.text)
-    return "\n".join(texts)
+                              f"supported here; this model takes {what}", f"{where}.{j}.type")
+    return "".join(out)
 
 
-def user_messages(content, where: str) -> list[dict]:
+def image_sources(body: Conversation) -> list[tuple[str, str]]:
+    """(where, url) of the image blocks of user turns, in prompt order; base64 sources as data URLs."""
+    out = []
+    for i, m in enumerate(body.messages):
+        if m.role != "user" or isinstance(m.content, str):
+            continue
+        for j, block in enumerate(m.content):
+            if block.type != "image":
+                continue
+            where, source = f"messages.{i}.content.{j}", block.source or {}
+            if source.get("type") == "base64" and source.get("data"):
+                out.append((where, f"data:{source.get('media_type', 'image/png')};base64,{source['data']}"))
+            elif source.get("type") == "url" and source.get("url"):
+                out.append((where, source["url"]))
+            else:
+                raise bad_request(f"{where}.source: an image source is {{'type': 'base64', 'media_type', "
+                                  f"'data'}} or {{'type': 'url', 'url'}}", f"{where}.source")
+    return out
+
+
+def user_messages(content, where: str, placeholders=None) -> list[dict]:
     """A user turn: each tool_result becomes a `tool` message, the text around it user messages."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
@@ -79,12 +107,12 @@ def user_messages(content, where: str) -> list[dict]:
             texts.append(block)
             continue
         if texts:
-            out.append({"role": "user", "content": block_text(texts, where)})
+            out.append({"role": "user", "content": block_text(texts, where, placeholders)})
             texts = []
         out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                     "content": block_text(block.content or "", f"{where}.{j}.content")})
     if texts or not out:
-        out.append({"role": "user", "content": block_text(texts, where)})
+        out.append({"role": "user", "content": block_text(texts, where, placeholders)})
     return out
 
 
@@ -102,8 +130,10 @@ def assistant_message(content, where: str) -> dict:
     return message
 
 
-def prompt_ids(state: ServerState, body: Conversation) -> tuple[list[int], bool]:
-    """Token ids of the conversation; True if the last turn is an assistant prefill."""
+async def prompt_ids(state: ServerState, body: Conversation) -> tuple[list[int], list]:
+    """Token ids of the conversation and its images (PromptImages)."""
+    prepared = await images.prepare(state, image_sources(body), type_name="image")
+    placeholders = images.placeholders(state, prepared)
     messages = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "\n".join(b.text for b in body.system)
@@ -111,13 +141,13 @@ def prompt_ids(state: ServerState, body: Conversation) -> tuple[list[int], bool]
     for i, m in enumerate(body.messages):
         where = f"messages.{i}.content"
         if m.role == "user":
-            messages += user_messages(m.content, where)
+            messages += user_messages(m.content, where, placeholders)
         else:
             messages.append(assistant_message(m.content, where))
     # Anthropic continues a final assistant message instead of starting a new turn.
     prefill = body.messages[-1].role == "assistant"
     prompt = render(state.tokenizer, messages, tools=template_tools(body), continue_final=prefill)
-    return prompt, prefill
+    return prompt, images.prompt_images(state, prompt, prepared, "messages")
 
 
 def stop_reason(choice: Choice) -> tuple[str, str | None]:
@@ -156,7 +186,7 @@ async def messages(body: MessagesRequest, request: Request):
     state = state_of(request)
     state.check_model(body.model)
     check_supported(body)
-    prompt, _ = prompt_ids(state, body)
+    prompt, prompt_images = await prompt_ids(state, body)
     rename = {"prompt": "messages", "stop": "stop_sequences"}
     try:
         params = SamplingParams(
@@ -171,7 +201,8 @@ async def messages(body: MessagesRequest, request: Request):
     if body.metadata and body.metadata.get("user_id"):
         log.debug("messages request for user %r", body.metadata["user_id"])
     msg_id = f"msg_{uuid.uuid4().hex}"
-    run = Run(state, [EngineRequest(prompt, params, request_id=msg_id, arrival_time=arrival)], rename)
+    run = Run(state, [EngineRequest(prompt, params, request_id=msg_id, arrival_time=arrival,
+                                   images=prompt_images)], rename)
     head = {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_name}
     tools = template_tools(body)
     syntax = tool_syntax(state.tokenizer) if tools else None
@@ -284,5 +315,5 @@ async def count_tokens(body: CountTokensRequest, request: Request):
     state = state_of(request)
     state.check_model(body.model)
     check_supported(body)
-    prompt, _ = prompt_ids(state, body)
+    prompt, _ = await prompt_ids(state, body)
     return {"input_tokens": len(prompt)}

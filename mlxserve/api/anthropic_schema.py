@@ -27,6 +27,8 @@ class ContentBlock(_Body):
     # tool_result (user turns): its content is text or a list of blocks
     tool_use_id: str | None = None
     content: str | list[ContentBlock] | None = None
+    # image (user turns): {"type": "base64", "media_type": ..., "data": ...} or {"type": "url", "url": ...}
+    source: dict | None = None
 
 
 class TextBlock(_Body):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -11,6 +10,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from mlxserve.api import images
 from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
 from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect, usage, visible_logprobs
 from mlxserve.api.openai_schema import (
@@ -25,8 +25,6 @@ from mlxserve.api.tokens import clamp, render
 from mlxserve.api.tool_calls import ToolCall, ToolCallStream, openai_tool_call, split_text, tool_syntax
 from mlxserve.engine.request import Request as EngineRequest
 from mlxserve.engine.request import SamplingParams
-from mlxserve.multimodal.media import MediaError
-from mlxserve.multimodal.prompt import ImagePartError, PreparedImage, image_spans, prepare_images
 
 log = logging.getLogger("mlxserve.api")
 router = APIRouter()
@@ -167,32 +165,6 @@ def image_sources(messages: list[ChatMessage]) -> list[tuple[str, str]]:
     return out
 
 
-async def prepare_chat_images(state: ServerState, messages: list[ChatMessage]) -> list[PreparedImage]:
-    """Fetch, decode and preprocess a chat's images (in a thread); 400 on any bad one."""
-    sources = image_sources(messages)
-    if not sources:
-        return []
-    vision = state.loaded.vision
-    if vision is None:
-        where = sources[0][0]
-        raise bad_request(f"{where}: content of type 'image_url' is not supported; this model "
-                          "takes text only", f"{where}.type")
-    try:
-        return await asyncio.to_thread(prepare_images, vision, sources, state.media_limits,
-                                       state.engine.has_image_embeddings)
-    except ImagePartError as e:
-        raise bad_request(str(e), e.where) from None
-
-
-def prompt_images(state: ServerState, prompt: list[int], prepared: list[PreparedImage]) -> list:
-    if not prepared:
-        return []
-    try:
-        return image_spans(prompt, state.loaded.vision.image_token_id, prepared)
-    except MediaError as e:
-        raise bad_request(f"messages: {e}", "messages") from None
-
-
 def template_message(m: ChatMessage, i: int, placeholders=None) -> dict:
     """An OpenAI message as chat templates expect it (Hugging Face conventions)."""
     where = f"messages[{i}].content"
@@ -244,14 +216,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state.check_model(body.model)
     check_chat_supported(body)
     include_usage = check_stream_options(body)
-    prepared = await prepare_chat_images(state, body.messages)
-    placeholders = iter([p.placeholder for p in prepared]) if state.loaded.vision is not None else None
+    prepared = await images.prepare(state, image_sources(body.messages), type_name="image_url")
+    placeholders = images.placeholders(state, prepared)
     messages = [template_message(m, i, placeholders) for i, m in enumerate(body.messages)]
     tools = None
     if body.tools and body.tool_choice != "none":  # 'none': the model is not told of tools
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
     prompt = render(state.tokenizer, messages, tools=tools, chat_template_kwargs=body.chat_template_kwargs)
-    images = prompt_images(state, prompt, prepared)
+    prompt_images = images.prompt_images(state, prompt, prepared, "messages")
     use_mct = body.max_completion_tokens is not None
     rename = {"prompt": "messages", "max_tokens": "max_completion_tokens" if use_mct else "max_tokens"}
     api_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -259,7 +231,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         state, body, [prompt], api_id=api_id,
         max_tokens=body.max_completion_tokens if use_mct else body.max_tokens,
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, rename=rename,
-        arrival=arrival, images=images)
+        arrival=arrival, images=prompt_images)
     run = Run(state, requests, rename)
     n = body.n or 1
     head = {"id": api_id, "created": int(time.time()), "model": state.model_name,
