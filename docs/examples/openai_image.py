@@ -3,8 +3,9 @@
     mlxserve serve --load-format dummy qwen2.5-vl-tiny    # or a real VLM folder / repo id
     python docs/examples/openai_image.py [IMAGE]          # default: a generated picture
 
-The second question reuses the image's embeddings and its KV blocks: see
-`cached_tokens` in the usage.
+The second question reuses the image's embeddings (GET /v1/cache/stats shows
+the vision-cache hit) and the prompt's full KV blocks (`cached_tokens` in the
+usage: blocks are 128 tokens on the CPU, so a short prompt has none).
 
     MLXSERVE_BASE_URL  the server's /v1 URL (default http://127.0.0.1:8000/v1)
     MLXSERVE_API_KEY   the key, if the server runs with --api-key
