@@ -62,19 +62,7 @@ def block_text(content, where: str, placeholders=None) -> str:
     """Text blocks joined by newlines; image blocks (user turns) become their placeholder text."""
     if isinstance(content, str):
         return content
-    out, prev_text = [], False
-    for j, block in enumerate(content):
-        if block.type == "image" and placeholders is not None:
-            out.append(next(placeholders))
-            prev_text = False
-        elif block.type == "text" and block.text is not None:
-            out.append(("\n" if prev_text else "") + block.text)
-            prev_text = True
-        else:
-            what = "text only" if placeholders is None else "text and images"
-            raise bad_request(f"{where}.{j}: content blocks of type {block.type!r} are not "
-                              f"supported here; this model takes {what}", f"{where}.{j}.type")
-    return "".join(out)
+    return images.content_text(content, placeholders, image_type="image", where=lambda j: f"{where}.{j}")
 
 
 def image_sources(body: Conversation) -> list[tuple[str, str]]:

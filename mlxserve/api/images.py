@@ -38,3 +38,24 @@ def prompt_images(state, prompt: list[int], prepared: list[PreparedImage], param
         return image_spans(prompt, state.loaded.vision.image_token_id, prepared)
     except MediaError as e:
         raise bad_request(f"{param}: {e}", param) from None
+
+
+def content_text(parts, placeholders, *, image_type: str, where) -> str:
+    """A message's parts as one string: texts joined by newlines, images as their placeholder text.
+
+    `where(j)` names part j in errors (each API has its own path syntax);
+    `placeholders` is None for a text-only model, whose image parts are refused.
+    """
+    out, prev_text = [], False
+    for j, part in enumerate(parts):
+        if part.type == image_type and placeholders is not None:
+            out.append(next(placeholders))
+            prev_text = False
+        elif part.type == "text" and part.text is not None:
+            out.append(("\n" if prev_text else "") + part.text)
+            prev_text = True
+        else:
+            what = "text only" if placeholders is None else f"text and {image_type} parts"
+            raise bad_request(f"{where(j)}: content of type {part.type!r} is not supported; "
+                              f"this model takes {what}", f"{where(j)}.type")
+    return "".join(out)

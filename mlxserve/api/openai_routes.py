@@ -135,19 +135,7 @@ def message_text(content, where: str, placeholders=None) -> str:
     """A message's content as one string; image parts become their placeholder text."""
     if isinstance(content, str):
         return content
-    out, prev_text = [], False
-    for j, part in enumerate(content):
-        if part.type == "image_url" and placeholders is not None:
-            out.append(next(placeholders))
-            prev_text = False
-        elif part.type == "text" and part.text is not None:
-            out.append(("\n" if prev_text else "") + part.text)
-            prev_text = True
-        else:
-            what = "text only" if placeholders is None else "text and image_url parts"
-            raise bad_request(f"{where}[{j}]: content of type {part.type!r} is not supported; "
-                              f"this model takes {what}", f"{where}[{j}].type")
-    return "".join(out)
+    return images.content_text(content, placeholders, image_type="image_url", where=lambda j: f"{where}[{j}]")
 
 
 def image_sources(messages: list[ChatMessage]) -> list[tuple[str, str]]:
