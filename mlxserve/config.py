@@ -120,8 +120,10 @@ class ServerConfig:
     media_fetch_timeout: float = setting(10.0, "Seconds an image URL gets to download in full.")
     max_media_bytes: int = setting(20 * 1024 * 1024, "Largest image accepted, in bytes (URL, data URL or file).")
     max_image_pixels: int = setting(
-        25_000_000, "Largest image accepted, in pixels (width x height), checked before decoding."
+        25_000_000, "Largest image (or video frame) accepted, in pixels (width x height), checked before decoding."
     )
+    video_fps: float = setting(2.0, "Video frames sampled per second of video_url parts.")
+    max_video_frames: int = setting(32, "Most frames taken from one video (an even number is used).")
 
 
 def _flag(name: str) -> str:

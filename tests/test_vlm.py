@@ -361,3 +361,87 @@ def test_anthropic_client_sends_images(vlm_server):
         client.messages.create(model="qwen2.5-vl-tiny", max_tokens=4, messages=[{"role": "user", "content": bad}])
     assert e.value.body["error"]["type"] == "invalid_request_error"
     assert "messages.0.content.0" in e.value.body["error"]["message"]
+
+
+# ---- video ----
+
+
+def mp4_bytes(n=8, size=(96, 80), fps=4, seed=0) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        rng = np.random.default_rng(seed)
+        for _ in range(n):
+            pixels = (rng.random((size[1], size[0], 3)) * 255).astype(np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def video_url(seed=0) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(mp4_bytes(seed=seed)).decode()
+
+
+def test_video_matches_mlx_vlm_and_its_frames_are_reused(tiny):
+    import mlx.core as mx
+
+    from mlxserve.multimodal.media import MediaLimits, decode_video
+
+    loaded = tiny("qwen2.5-vl-tiny")
+    vision = loaded.vision
+    url = video_url()
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "What happens in this video?"}]}]
+    ids, groups = chat_prompt(loaded, messages)
+    assert len(groups) == 2 and all(g.pixels.video == 0 for g in groups)  # 4 frames at 2 fps: 2 groups of 2
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = AsyncEngine(loaded, EngineConfig(prefill_chunk_size=7, block_size=16)).start()
+    try:
+        (got, cold), = run(engine, Request(ids, params, images=groups))
+        # The same video again, as a new turn of text after it: its groups come from the caches.
+        turn2 = messages + [{"role": "assistant", "content": "Noise."}, {"role": "user", "content": "And then?"}]
+        ids2, groups2 = chat_prompt(loaded, turn2)
+        (_, warm), = run(engine, Request(ids2, params, images=groups2))
+        vstats = asyncio.run(engine.cache_stats())["vision_cache"]
+    finally:
+        engine.stop()
+    assert cold == 0 and warm >= groups[-1].start + groups[-1].num_tokens - 16
+    assert vstats["misses"] == 2 and vstats["entries"] == 2  # each group encoded once
+    # mlx-vlm's own path over the whole video.
+    frames = decode_video(base64.b64decode(url.split(",", 1)[1]), MediaLimits())
+    out = vision.video_processor(videos=[frames])
+    emb = vision.model.get_input_embeddings(
+        mx.array([ids]), pixel_values_videos=mx.array(np.asarray(out["pixel_values_videos"])),
+        video_grid_thw=mx.array(np.asarray(out["video_grid_thw"])), mask=mx.ones((1, len(ids))))
+    lm = vision.model.language_model
+    cache = vision.text_model.make_cache()[: vision.text_model.n_layers]
+    logits = lm(mx.array([ids]), inputs_embeds=emb.inputs_embeds, cache=cache, position_ids=emb.position_ids,
+                rope_deltas=emb.rope_deltas).logits
+    want = [mx.argmax(logits[0, -1]).item()]
+    while len(want) < 8:
+        want.append(mx.argmax(lm(mx.array([[want[-1]]]), cache=cache).logits[0, -1]).item())
+    assert got == want
+
+
+def test_video_over_http_and_bad_video(vlm_server, tiny):
+    import httpx
+
+    from mlxserve.multimodal.media import MediaLimits
+    from mlxserve.multimodal.prompt import ImagePartError, prepare_images
+
+    def ask_video(url):
+        body = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                          {"type": "text", "text": "What happens?"}]}],
+                "max_tokens": 3, "temperature": 0}
+        return httpx.post(vlm_server.base_url + "/chat/completions", json=body, timeout=60)
+
+    assert ask_video(video_url(seed=3)).status_code == 200
+    r = ask_video("data:video/mp4;base64," + base64.b64encode(b"not a video at all").decode())
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages[0].content[0]")
+    with pytest.raises(ImagePartError, match="not video"):  # Gemma 3 takes images only
+        prepare_images(tiny("gemma3-vl-tiny").vision, [("part", video_url(), "video")], MediaLimits())

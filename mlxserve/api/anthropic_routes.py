@@ -62,7 +62,7 @@ def block_text(content, where: str, placeholders=None) -> str:
     """Text blocks joined by newlines; image blocks (user turns) become their placeholder text."""
     if isinstance(content, str):
         return content
-    return images.content_text(content, placeholders, image_type="image", where=lambda j: f"{where}.{j}")
+    return images.content_text(content, placeholders, media_types=("image",), where=lambda j: f"{where}.{j}")
 
 
 def image_sources(body: Conversation) -> list[tuple[str, str]]:
@@ -76,9 +76,9 @@ def image_sources(body: Conversation) -> list[tuple[str, str]]:
                 continue
             where, source = f"messages.{i}.content.{j}", block.source or {}
             if source.get("type") == "base64" and source.get("data"):
-                out.append((where, f"data:{source.get('media_type', 'image/png')};base64,{source['data']}"))
+                out.append((where, f"data:{source.get('media_type', 'image/png')};base64,{source['data']}", "image"))
             elif source.get("type") == "url" and source.get("url"):
-                out.append((where, source["url"]))
+                out.append((where, source["url"], "image"))
             else:
                 raise bad_request(f"{where}.source: an image source is {{'type': 'base64', 'media_type', "
                                   f"'data'}} or {{'type': 'url', 'url'}}", f"{where}.source")

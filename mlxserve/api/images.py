@@ -27,7 +27,7 @@ async def prepare(state, sources: list[tuple[str, str]], *, type_name: str) -> l
 
 def placeholders(state, prepared: list[PreparedImage]):
     """An iterator over the images' placeholder texts (None for a text-only model)."""
-    return iter([p.placeholder for p in prepared]) if state.loaded.vision is not None else None
+    return iter([p.placeholder for p in prepared if p.placeholder is not None]) if state.loaded.vision else None
 
 
 def prompt_images(state, prompt: list[int], prepared: list[PreparedImage], param: str) -> list:
@@ -35,12 +35,12 @@ def prompt_images(state, prompt: list[int], prepared: list[PreparedImage], param
     if not prepared:
         return []
     try:
-        return image_spans(prompt, state.loaded.vision.image_token_id, prepared)
+        return image_spans(prompt, state.loaded.vision, prepared)
     except MediaError as e:
         raise bad_request(f"{param}: {e}", param) from None
 
 
-def content_text(parts, placeholders, *, image_type: str, where) -> str:
+def content_text(parts, placeholders, *, media_types: tuple, where) -> str:
     """A message's parts as one string: texts joined by newlines, images as their placeholder text.
 
     `where(j)` names part j in errors (each API has its own path syntax);
@@ -48,14 +48,14 @@ def content_text(parts, placeholders, *, image_type: str, where) -> str:
     """
     out, prev_text = [], False
     for j, part in enumerate(parts):
-        if part.type == image_type and placeholders is not None:
+        if part.type in media_types and placeholders is not None:
             out.append(next(placeholders))
             prev_text = False
         elif part.type == "text" and part.text is not None:
             out.append(("\n" if prev_text else "") + part.text)
             prev_text = True
         else:
-            what = "text only" if placeholders is None else f"text and {image_type} parts"
+            what = "text only" if placeholders is None else f"text and {' and '.join(media_types)} parts"
             raise bad_request(f"{where(j)}: content of type {part.type!r} is not supported; "
                               f"this model takes {what}", f"{where(j)}.type")
     return "".join(out)

@@ -135,21 +135,23 @@ def message_text(content, where: str, placeholders=None) -> str:
     """A message's content as one string; image parts become their placeholder text."""
     if isinstance(content, str):
         return content
-    return images.content_text(content, placeholders, image_type="image_url", where=lambda j: f"{where}[{j}]")
+    return images.content_text(content, placeholders, media_types=("image_url", "video_url"),
+                               where=lambda j: f"{where}[{j}]")
 
 
-def image_sources(messages: list[ChatMessage]) -> list[tuple[str, str]]:
-    """(where, url) of every image_url part, in prompt order."""
+def image_sources(messages: list[ChatMessage]) -> list[tuple[str, str, str]]:
+    """(where, url, "image" | "video") of every image_url and video_url part, in prompt order."""
     out = []
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
-                if part.type == "image_url":
+                if part.type in ("image_url", "video_url"):
                     where = f"messages[{i}].content[{j}]"
-                    url = part.image_url.url if isinstance(part.image_url, ImageURL) else part.image_url
+                    ref = getattr(part, part.type)
+                    url = ref.url if isinstance(ref, ImageURL) else ref
                     if not url:
-                        raise bad_request(f"{where}: image_url.url is required", f"{where}.image_url")
-                    out.append((where, url))
+                        raise bad_request(f"{where}: {part.type}.url is required", f"{where}.{part.type}")
+                    out.append((where, url, part.type.removesuffix("_url")))
     return out
 
 
@@ -204,7 +206,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state.check_model(body.model)
     check_chat_supported(body)
     include_usage = check_stream_options(body)
-    prepared = await images.prepare(state, image_sources(body.messages), type_name="image_url")
+    sources = image_sources(body.messages)
+    prepared = await images.prepare(state, sources, type_name=sources[0][2] + "_url" if sources else "")
     placeholders = images.placeholders(state, prepared)
     messages = [template_message(m, i, placeholders) for i, m in enumerate(body.messages)]
     tools = None

@@ -29,6 +29,7 @@ class ContentPart(_Body):
     type: str
     text: str | None = None
     image_url: ImageURL | str | None = None  # some clients send the URL as a plain string
+    video_url: ImageURL | str | None = None  # vLLM's convention for video
 
 
 class FunctionCall(_Body):

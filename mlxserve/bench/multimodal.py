@@ -4,6 +4,7 @@ The vllm-mlx paper's tables, on one model:
 - multi-turn questions about one image, turns 1-3, caches off vs on (Table 2);
 - turn 2 with no cache, vision embeddings only, KV only, both (Table 4);
 - image resolution 224 / 448 / 768 / 1024 px: cold vs cached turn (Table 5);
+- video of 4-64 frames: cold vs a second question about it (Tables 3 and 6);
 - bytes one cached image costs (vision embeddings, and its KV blocks);
 - the longest pause in a running text stream when an image request arrives:
   tower and prompt in one go vs in slices between decode steps.
@@ -39,6 +40,8 @@ def add_parser(sub) -> None:
                         "time per turn is kept (the first run also compiles kernels for new shapes).")
     p.add_argument("--answer-len", type=int, default=16, help="Output tokens per turn.")
     p.add_argument("--block-size", type=int, default=None, help="Prefix-cache block size (default: the engine's).")
+    p.add_argument("--video-frames", default="4,8,16,32,64", help="Frame counts of the video table ('' skips it).")
+    p.add_argument("--video-size", type=int, default=448, help="Frame side (px) of the video table.")
     p.add_argument("--stall-tokens", type=int, default=64,
                    help="Tokens of the text stream in the decode-stall test (0 skips it).")
     p.add_argument("--out-dir", default="benchmarks")
@@ -94,11 +97,13 @@ class Bench:
         return asyncio.run(go())
 
     def conversation(self, engine, image, turns: int) -> list[dict]:
+        """Turns about one image (a PIL image) or video (a list of frames)."""
         messages, rows = [], []
         for t in range(turns):
             content = [{"type": "text", "text": QUESTIONS[t % len(QUESTIONS)]}]
             if t == 0:
-                content.insert(0, {"type": "image", "image": image})
+                media = {"type": "video", "video": image} if isinstance(image, list) else {"type": "image", "image": image}
+                content.insert(0, media)
             messages.append({"role": "user", "content": content})
             row = self.turn(engine, messages)
             row["suffix_alone"] = self.suffix_alone(row["prompt"] - row["cached"])
@@ -180,6 +185,23 @@ def resolutions(bench: Bench, args) -> list[dict]:
     return rows
 
 
+def videos(bench: Bench, args) -> list[dict]:
+    rows = []
+    if bench.loaded.vision.video_token_id is None:
+        return rows
+    engine = bench.engine(True, True)
+    try:
+        for n in [int(x) for x in args.video_frames.split(",")]:
+            print(f"   video, {n} frames", file=sys.stderr, flush=True)
+            runs = [bench.conversation(engine, [picture(args.video_size, seed=1000 * r + f) for f in range(n)], 2)
+                    for r in range(args.repeats)]
+            cold, hit = best_of(runs)
+            rows.append({"frames": n, "cold": cold, "hit": hit})
+    finally:
+        engine.stop()
+    return rows
+
+
 def decode_stall(bench: Bench, args) -> list[dict]:
     """Gaps between a text stream's tokens while an image request is prefilled beside it."""
     from mlxserve.engine.request import Request, SamplingParams
@@ -245,6 +267,7 @@ def run(args) -> int:
         turns = multi_turn(bench, args)
         abl = ablation(bench, args)
         res = resolutions(bench, args)
+        vids = videos(bench, args) if args.video_frames else []
         stall = decode_stall(bench, args) if args.stall_tokens else []
     finally:
         bench.close()
@@ -279,6 +302,15 @@ def run(args) -> int:
                 f"{r['cold']['ttft'] / r['hit']['ttft']:.1f}x", r["hit"]["prep"] * ms, r["hit"]["suffix_alone"] * ms,
                 f"{(r['hit']['ttft'] - r['hit']['prep']) / r['hit']['suffix_alone']:.2f}x"] for r in res]),
           ""]
+    if vids:
+        md += [f"## Video ({args.video_size} px frames; paper Tables 3 and 6)\n",
+               report.table(["frames", "video tokens", "cold TTFT", "2nd question TTFT", "speedup", "cold turn",
+                             "2nd turn", "suffix alone", "hit/suffix"],
+                            [[r["frames"], r["cold"]["image_tokens"], r["cold"]["ttft"] * ms, r["hit"]["ttft"] * ms,
+                              f"{r['cold']['ttft'] / r['hit']['ttft']:.1f}x", r["cold"]["total"] * ms,
+                              r["hit"]["total"] * ms, r["hit"]["suffix_alone"] * ms,
+                              f"{(r['hit']['ttft'] - r['hit']['prep']) / r['hit']['suffix_alone']:.2f}x"]
+                             for r in vids]), ""]
     if stall:
         md += [f"## A text stream's longest pause when a {args.size} px image request arrives\n",
                report.table(["image prefill", "longest gap ms", "median gap ms", "image request TTFT ms"],
@@ -296,7 +328,7 @@ def run(args) -> int:
     text = "\n".join(md)
     print(text)
     report.write_result("multimodal", info, text, {"turns": turns, "ablation": abl, "resolutions": res,
-                                                    "stall": stall},
+                                                    "videos": vids, "stall": stall},
                         _plot, args.out_dir)
     return 0
 

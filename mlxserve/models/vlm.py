@@ -46,6 +46,7 @@ class ImageInput:
     grid_thw: tuple[int, int, int] | None  # Qwen: (t, h, w) patch grid
     num_tokens: int  # placeholder tokens it takes in the prompt
     image: object = None  # the decoded image, while pixel_values is None
+    video: int | None = None  # for a group of video frames: which video of the request it belongs to
 
 
 class TextModel:
@@ -146,6 +147,14 @@ class VisionAdapter:
             inp.image = None
         return inp.pixel_values
 
+    video_token_id: int | None = None  # set by families that take video
+
+    def preprocess_video(self, frames: list, video: int) -> list[ImageInput]:
+        raise ValueError("this model takes images, not video")
+
+    def video_placeholder(self, groups: list[ImageInput]) -> str:
+        raise ValueError("this model takes images, not video")
+
     def embed(self, token_ids, spans):
         """Input embeddings of a prompt chunk.
 
@@ -200,6 +209,19 @@ class QwenVL(VisionAdapter):
             image_std=pc.get("image_std"),
         )
         _guard_window_index(model.vision_tower)
+        from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        self.video_token_id = config.get("video_token_id", 151656)
+        self._video_pad = self.token_text(self.video_token_id)
+        self.video_processor = Qwen3VLVideoProcessor(
+            patch_size=self.image_processor.patch_size,
+            merge_size=self.image_processor.merge_size,
+            temporal_patch_size=self.image_processor.temporal_patch_size,
+            min_pixels=pc.get("video_min_pixels", 128 * 28 * 28),
+            max_pixels=pc.get("video_max_pixels", 768 * 28 * 28),
+            image_mean=pc.get("image_mean"),
+            image_std=pc.get("image_std"),
+        )
 
     def tower_blocks(self) -> list:
         return list(self.model.vision_tower.blocks)
@@ -226,11 +248,37 @@ class QwenVL(VisionAdapter):
         pixels = mx.array(self.pixels(image)).astype(dtype)
         return tower(pixels, mx.array([image.grid_thw]), output_hidden_states=False)
 
+    def preprocess_video(self, frames: list, video: int) -> list[ImageInput]:
+        """A video's frames as groups of `temporal_patch_size` frames, each a tower input of its own.
+
+        The frames are resized and patchified as one video (the size depends
+        on the frame count), then split by group: the tower attends within a
+        group only (full-attention blocks per temporal step, windows inside
+        them), so encoding groups one by one gives the whole video's rows.
+        """
+        out = self.video_processor(videos=[frames])
+        pixels = np.asarray(out["pixel_values_videos"])
+        t, h, w = (int(x) for x in np.asarray(out["video_grid_thw"])[0])
+        per_group = h * w
+        return [ImageInput(pixels[g * per_group : (g + 1) * per_group], (1, h, w), per_group // self.merge**2,
+                           video=video) for g in range(t)]
+
+    def video_placeholder(self, groups: list[ImageInput]) -> str:
+        start, _, end = self._wrap
+        return start + self._video_pad * sum(g.num_tokens for g in groups) + end
+
     def positions(self, token_ids, images):
         import mlx.core as mx
 
-        grids = mx.array([im.grid_thw for im in images]) if images else None
-        pos, delta = self.model.language_model.get_rope_index(mx.array([token_ids]), grids, None, None)
+        image_grids = [im.grid_thw for im in images if im.video is None]
+        video_grids = {}
+        for im in images:
+            if im.video is not None:  # one (t, h, w) per video: its groups stacked in time
+                t, h, w = video_grids.get(im.video, (0, *im.grid_thw[1:]))
+                video_grids[im.video] = (t + 1, h, w)
+        pos, delta = self.model.language_model.get_rope_index(
+            mx.array([token_ids]), mx.array(image_grids) if image_grids else None,
+            mx.array(list(video_grids.values())) if video_grids else None, None)
         return pos, int(delta.reshape(-1)[0].item())
 
 

@@ -38,6 +38,8 @@ class MediaLimits:
     timeout: float = 10.0
     max_bytes: int = 20 * 1024 * 1024
     max_pixels: int = 25_000_000
+    video_fps: float = 2.0
+    max_video_frames: int = 32
 
     @classmethod
     def from_config(cls, server_config) -> "MediaLimits":
@@ -48,6 +50,8 @@ class MediaLimits:
             timeout=server_config.media_fetch_timeout,
             max_bytes=server_config.max_media_bytes,
             max_pixels=server_config.max_image_pixels,
+            video_fps=server_config.video_fps,
+            max_video_frames=server_config.max_video_frames,
         )
 
 
@@ -73,6 +77,47 @@ def load_image(url: str, limits: MediaLimits) -> LoadedImage:
     data = read_source(url, limits)
     image = decode_image(data, limits)
     return LoadedImage(image, pixel_hash(image))
+
+
+def load_video(url: str, limits: MediaLimits) -> list:
+    """A video's frames (PIL, RGB), sampled at `video_fps` up to `max_video_frames`, an even count."""
+    return decode_video(read_source(url, limits), limits)
+
+
+def decode_video(data: bytes, limits: MediaLimits) -> list:
+    try:
+        import av
+    except ImportError:
+        raise MediaError("video needs PyAV (pip install av), which this server lacks") from None
+    try:
+        container = av.open(io.BytesIO(data))
+    except Exception as e:  # noqa: BLE001 - PyAV raises its own error classes per codec
+        raise MediaError(f"the data is not a video this server can decode: {e}") from None
+    with container:
+        if not container.streams.video:
+            raise MediaError("the file has no video stream")
+        stream = container.streams.video[0]
+        if stream.width * stream.height > limits.max_pixels:
+            raise MediaError(f"the video's frames have {stream.width}x{stream.height} pixels, more than "
+                             f"the {limits.max_pixels} this server accepts")
+        # One frame per 1/fps seconds: the first frame at or after each sample time.
+        frames, next_time = [], 0.0
+        try:
+            for frame in container.decode(stream):
+                if frame.time is None or frame.time + 1e-6 >= next_time:
+                    frames.append(frame.to_image().convert("RGB"))
+                    next_time = (frame.time or 0.0) + 1.0 / limits.video_fps
+                    if len(frames) >= limits.max_video_frames:
+                        break
+        except Exception as e:  # noqa: BLE001 - a corrupt stream
+            if not frames:
+                raise MediaError(f"the video cannot be decoded: {e}") from None
+    if not frames:
+        raise MediaError("the video has no frames")
+    frames = frames[: limits.max_video_frames - limits.max_video_frames % 2 or None]
+    if len(frames) % 2:  # the tower takes frames in pairs: repeat the last one
+        frames.append(frames[-1])
+    return frames
 
 
 def read_source(url: str, limits: MediaLimits) -> bytes:

@@ -12,15 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxserve.engine.request import PromptImage
-from mlxserve.multimodal.media import MediaError, MediaLimits, load_image
+import hashlib
+
+from mlxserve.multimodal.media import MediaError, MediaLimits, load_image, load_video, pixel_hash
 
 
 @dataclass
 class PreparedImage:
+    """An image, or one frame group of a video, ready for the prompt."""
+
     where: str  # the request part it came from, for error messages
     content_hash: str
     pixels: object  # the adapter's ImageInput
-    placeholder: str  # text standing for it in the prompt
+    placeholder: str | None  # text standing for its part in the prompt (a video's on its first group only)
 
 
 class ImagePartError(MediaError):
@@ -29,16 +33,22 @@ class ImagePartError(MediaError):
         self.where = where
 
 
-def prepare_images(vision, sources: list[tuple[str, str]], limits: MediaLimits,
+def prepare_images(vision, sources: list[tuple], limits: MediaLimits,
                    have_embeddings=None) -> list[PreparedImage]:
-    """Fetch, decode, hash and preprocess each (where, url). Blocking: run it in a thread.
+    """Fetch, decode, hash and preprocess each (where, url[, "image" | "video"]). Blocking: run it in a thread.
 
     `have_embeddings(content_hash)` says whether the vision cache holds an
     image already; then its pixel array is left to be made only if needed.
+    A video gives one PreparedImage per frame group.
     """
     out = []
-    for where, url in sources:
+    videos = 0
+    for where, url, *kind in sources:
         try:
+            if kind and kind[0] == "video":
+                out += _prepared_video(vision, where, load_video(url, limits), videos)
+                videos += 1
+                continue
             out.append(_prepared(vision, where, load_image(url, limits), have_embeddings))
         except MediaError as e:
             raise ImagePartError(where, str(e)) from None
@@ -47,23 +57,42 @@ def prepare_images(vision, sources: list[tuple[str, str]], limits: MediaLimits,
     return out
 
 
-def image_spans(prompt_ids: list[int], image_token_id: int, images: list[PreparedImage]) -> list[PromptImage]:
-    """The PromptImage of each image: where its run of image tokens starts in the prompt."""
+def image_spans(prompt_ids: list[int], vision, images: list[PreparedImage]) -> list[PromptImage]:
+    """The PromptImage of each image (or video frame group): where its tokens start in the prompt.
+
+    Each image is a run of image tokens; a video is one run of video tokens,
+    cut into its frame groups in order.
+    """
+    media_ids = {vision.image_token_id, vision.video_token_id} - {None}
     runs = []
     i, n = 0, len(prompt_ids)
     while i < n:
-        if prompt_ids[i] == image_token_id:
+        if prompt_ids[i] in media_ids:
             j = i
-            while j < n and prompt_ids[j] == image_token_id:
+            while j < n and prompt_ids[j] == prompt_ids[i]:
                 j += 1
             runs.append((i, j - i))
             i = j
         else:
             i += 1
-    if len(runs) != len(images) or any(length != im.pixels.num_tokens for (_, length), im in zip(runs, images)):
+    out, k = [], 0
+    for start, length in runs:
+        # An image's run, or a video's: the consecutive groups of one video fill one run.
+        video = images[k].pixels.video if k < len(images) else None
+        taken = 0
+        while k < len(images) and taken < length:
+            if taken and (video is None or images[k].pixels.video != video):
+                break
+            im = images[k]
+            out.append(PromptImage(im.content_hash, start + taken, im.pixels.num_tokens, im.pixels))
+            taken += im.pixels.num_tokens
+            k += 1
+        if taken != length:
+            break
+    if k != len(images) or len(out) != len(images) or sum(r[1] for r in runs) != sum(o.num_tokens for o in out):
         raise MediaError("the prompt's image placeholder tokens do not match its images "
-                         "(does the text itself contain the model's image tokens?)")
-    return [PromptImage(im.content_hash, start, length, im.pixels) for (start, length), im in zip(runs, images)]
+                         "(does the text itself contain the model's image or video tokens?)")
+    return out
 
 
 def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None, have_embeddings=None,
@@ -75,9 +104,10 @@ def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None,
     "image_url": {"url": ...}} or {"type": "image", "image": <PIL image>}.
     """
     from mlxserve.llm import render_chat
-    from mlxserve.multimodal.media import LoadedImage, pixel_hash
+    from mlxserve.multimodal.media import LoadedImage
 
     vision = loaded.vision
+    limits = limits or MediaLimits()
     rendered, images = [], []
     for i, m in enumerate(messages):
         content = m.get("content")
@@ -89,19 +119,38 @@ def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None,
                     continue
                 if vision is None:
                     raise MediaError(f"messages[{i}].content[{j}]: this model takes text only")
-                if part.get("type") == "image":
+                where, kind = f"messages[{i}].content[{j}]", part.get("type")
+                videos = sum(1 for p in images if p.placeholder and p.pixels.video is not None)
+                if kind == "image":
                     image = part["image"].convert("RGB")
-                    prepared = _prepared(vision, f"messages[{i}].content[{j}]", LoadedImage(image, pixel_hash(image)),
-                                         have_embeddings)
+                    prepared = [_prepared(vision, where, LoadedImage(image, pixel_hash(image)), have_embeddings)]
+                elif kind == "video":  # a list of frames (PIL images)
+                    prepared = _prepared_video(vision, where, [f.convert("RGB") for f in part["video"]], videos)
+                elif kind == "video_url":
+                    prepared = _prepared_video(vision, where, load_video(part["video_url"]["url"], limits), videos)
                 else:
-                    (prepared,) = prepare_images(vision, [(f"messages[{i}].content[{j}]", part["image_url"]["url"])],
-                                                 limits or MediaLimits(), have_embeddings)
-                images.append(prepared)
-                text += prepared.placeholder
+                    loaded_image = load_image(part["image_url"]["url"], limits)
+                    prepared = [_prepared(vision, where, loaded_image, have_embeddings)]
+                images += prepared
+                text += prepared[0].placeholder
             m = {**m, "content": text}
         rendered.append(m)
     ids = render_chat(loaded.tokenizer, rendered, **template_kwargs)
-    return ids, (image_spans(ids, vision.image_token_id, images) if images else [])
+    return ids, (image_spans(ids, vision, images) if images else [])
+
+
+def _prepared_video(vision, where: str, frames: list, video: int) -> list[PreparedImage]:
+    """Frame groups of one video, each keyed by its frames' pixels and the size they were resized to."""
+    groups = vision.preprocess_video(frames, video)
+    per_group = len(frames) // len(groups)
+    frame_hashes = [pixel_hash(f) for f in frames]
+    out = []
+    for g, pixels in enumerate(groups):
+        key = hashlib.sha256(f"video-group:{pixels.grid_thw}:".encode())
+        for h in frame_hashes[g * per_group : (g + 1) * per_group]:
+            key.update(h.encode())
+        out.append(PreparedImage(where, key.hexdigest(), pixels, vision.video_placeholder(groups) if g == 0 else None))
+    return out
 
 
 def _prepared(vision, where: str, loaded_image, have_embeddings=None) -> PreparedImage:
