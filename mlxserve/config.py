@@ -73,8 +73,8 @@ class EngineConfig:
     block_size: int | None = setting(
         None,
         "Tokens per prefix-cache block; only full blocks are shared. Default: 128 on the CPU "
-        "backend, 256 on a GPU, where every block costs a copy launch per layer on a hit "
-        "(see benchmarks/prefix-*).",
+        "backend, 256 on a GPU, where storing a block costs kernel launches per layer, so "
+        "small blocks slow down misses (see benchmarks/prefix-*).",
     )
     vision_cache_memory: str = setting(
         "512MB",
