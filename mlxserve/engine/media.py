@@ -150,7 +150,8 @@ class MediaPrefill:
             mx.eval([c.state for c in self.cache])
             self.done = end
             # Images wholly before the cached part are no longer needed.
-            for i in [i for i in self.features if not self._needed(end, len(self.prompt))]:
+            later = set(self._needed(end, len(self.prompt)))
+            for i in [i for i in self.features if i not in later]:
                 del self.features[i]
             if self.prefix_cache is not None:
                 self.prefix_cache.store_from_cache(self.cache, self.prompt, self.done,
