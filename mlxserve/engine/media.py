@@ -43,7 +43,6 @@ class MediaPrefill:
         self.features: dict[int, mx.array] = {}  # image index -> its embeddings
         self.positions = None
         self.delta = 0
-        self.encoded = 0  # images run through the tower (cache misses)
         self._take_cached()
 
     @property
@@ -86,7 +85,6 @@ class MediaPrefill:
         self.encoding = None
         if feats.shape[0] != image.num_tokens:
             raise ValueError(f"image {i} gave {feats.shape[0]} embeddings for {image.num_tokens} tokens")
-        self.encoded += 1
         if self.vision_cache is not None:
             self.vision_cache.put(key, feats)
         self.features[i] = feats
