@@ -405,11 +405,20 @@ def test_video_matches_mlx_vlm_and_its_frames_are_reused(tiny):
         (got, cold), = run(engine, Request(ids, params, images=groups))
         # The same video again, as a new turn of text after it: its groups come from the caches.
         turn2 = messages + [{"role": "assistant", "content": "Noise."}, {"role": "user", "content": "And then?"}]
-        ids2, groups2 = chat_prompt(loaded, turn2)
-        (_, warm), = run(engine, Request(ids2, params, images=groups2))
+        ids2, groups2 = chat_prompt(loaded, turn2, have_embeddings=engine.has_image_embeddings)
+        assert all(g.pixels.pixel_values is None for g in groups2)  # cached: no pixel arrays made
+        (turn2_tokens, warm), = run(engine, Request(ids2, params, images=groups2))
         vstats = asyncio.run(engine.cache_stats())["vision_cache"]
     finally:
         engine.stop()
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, vision_cache_memory="0")).start()
+    try:  # the same turn from scratch, its pixels made on demand from the kept frames
+        (uncached_turn2, _), = run(off, Request(ids2, params, images=chat_prompt(loaded, turn2)[1]))
+        lazy = chat_prompt(loaded, turn2, have_embeddings=lambda _: True)[1]
+        (lazy_turn2, _), = run(off, Request(ids2, params, images=lazy))
+    finally:
+        off.stop()
+    assert turn2_tokens == uncached_turn2 == lazy_turn2
     assert cold == 0 and warm >= groups[-1].start + groups[-1].num_tokens - 16
     assert vstats["misses"] == 2 and vstats["entries"] == 2  # each group encoded once
     # mlx-vlm's own path over the whole video.

@@ -45,8 +45,22 @@ class ImageInput:
     pixel_values: np.ndarray | None
     grid_thw: tuple[int, int, int] | None  # Qwen: (t, h, w) patch grid
     num_tokens: int  # placeholder tokens it takes in the prompt
-    image: object = None  # the decoded image, while pixel_values is None
+    image: object = None  # while pixel_values is None: the decoded image, or (VideoFrames, group) for video
     video: int | None = None  # for a group of video frames: which video of the request it belongs to
+
+
+class VideoFrames:
+    """A video's decoded frames, and their pixel array once some group needs it (made once, shared)."""
+
+    def __init__(self, frames: list):
+        self.frames = frames
+        self._pixels = None
+
+    def pixels(self, processor) -> np.ndarray:
+        if self._pixels is None:
+            self._pixels = np.asarray(processor(videos=[self.frames])["pixel_values_videos"])
+            self.frames = None
+        return self._pixels
 
 
 class TextModel:
@@ -143,13 +157,19 @@ class VisionAdapter:
 
     def pixels(self, inp: ImageInput) -> np.ndarray:
         if inp.pixel_values is None:
-            inp.pixel_values = self._pixels(inp.image)
+            if inp.video is None:
+                inp.pixel_values = self._pixels(inp.image)
+            else:
+                frames, group = inp.image
+                per_group = inp.grid_thw[1] * inp.grid_thw[2]
+                inp.pixel_values = frames.pixels(self.video_processor)[group * per_group : (group + 1) * per_group]
             inp.image = None
         return inp.pixel_values
 
     video_token_id: int | None = None  # set by families that take video
 
     def preprocess_video(self, frames: list, video: int) -> list[ImageInput]:
+        """The video's frame groups, token counts known, pixel arrays made on first `pixels()`."""
         raise ValueError("this model takes images, not video")
 
     def video_placeholder(self, groups: list[ImageInput]) -> str:
@@ -256,12 +276,17 @@ class QwenVL(VisionAdapter):
         group only (full-attention blocks per temporal step, windows inside
         them), so encoding groups one by one gives the whole video's rows.
         """
-        out = self.video_processor(videos=[frames])
-        pixels = np.asarray(out["pixel_values_videos"])
-        t, h, w = (int(x) for x in np.asarray(out["video_grid_thw"])[0])
-        per_group = h * w
-        return [ImageInput(pixels[g * per_group : (g + 1) * per_group], (1, h, w), per_group // self.merge**2,
-                           video=video) for g in range(t)]
+        from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import _smart_resize_video
+
+        vp = self.video_processor
+        h, w = _smart_resize_video(num_frames=len(frames), height=frames[0].height, width=frames[0].width,
+                                   temporal_factor=vp.temporal_patch_size, factor=vp.patch_size * vp.merge_size,
+                                   min_pixels=vp.min_pixels, max_pixels=vp.max_pixels)
+        grid = (1, h // vp.patch_size, w // vp.patch_size)
+        shared = VideoFrames(frames)
+        groups = -(-len(frames) // vp.temporal_patch_size)
+        return [ImageInput(None, grid, math.prod(grid) // self.merge**2, image=(shared, g), video=video)
+                for g in range(groups)]
 
     def video_placeholder(self, groups: list[ImageInput]) -> str:
         start, _, end = self._wrap

@@ -46,7 +46,7 @@ def prepare_images(vision, sources: list[tuple], limits: MediaLimits,
     for where, url, *kind in sources:
         try:
             if kind and kind[0] == "video":
-                out += _prepared_video(vision, where, load_video(url, limits), videos)
+                out += _prepared_video(vision, where, load_video(url, limits), videos, have_embeddings)
                 videos += 1
                 continue
             out.append(_prepared(vision, where, load_image(url, limits), have_embeddings))
@@ -125,9 +125,11 @@ def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None,
                     image = part["image"].convert("RGB")
                     prepared = [_prepared(vision, where, LoadedImage(image, pixel_hash(image)), have_embeddings)]
                 elif kind == "video":  # a list of frames (PIL images)
-                    prepared = _prepared_video(vision, where, [f.convert("RGB") for f in part["video"]], videos)
+                    frames = [f.convert("RGB") for f in part["video"]]
+                    prepared = _prepared_video(vision, where, frames, videos, have_embeddings)
                 elif kind == "video_url":
-                    prepared = _prepared_video(vision, where, load_video(part["video_url"]["url"], limits), videos)
+                    frames = load_video(part["video_url"]["url"], limits)
+                    prepared = _prepared_video(vision, where, frames, videos, have_embeddings)
                 else:
                     loaded_image = load_image(part["image_url"]["url"], limits)
                     prepared = [_prepared(vision, where, loaded_image, have_embeddings)]
@@ -139,10 +141,13 @@ def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None,
     return ids, (image_spans(ids, vision, images) if images else [])
 
 
-def _prepared_video(vision, where: str, frames: list, video: int) -> list[PreparedImage]:
-    """Frame groups of one video, each keyed by its frames' pixels and the size they were resized to."""
+def _prepared_video(vision, where: str, frames: list, video: int, have_embeddings=None) -> list[PreparedImage]:
+    """Frame groups of one video, each keyed by its frames' pixels and the size they are resized to.
+
+    The video's pixel array is made here unless the vision cache holds every group.
+    """
     groups = vision.preprocess_video(frames, video)
-    per_group = len(frames) // len(groups)
+    per_group = -(-len(frames) // len(groups))
     frame_hashes = [pixel_hash(f) for f in frames]
     out = []
     for g, pixels in enumerate(groups):
@@ -150,6 +155,9 @@ def _prepared_video(vision, where: str, frames: list, video: int) -> list[Prepar
         for h in frame_hashes[g * per_group : (g + 1) * per_group]:
             key.update(h.encode())
         out.append(PreparedImage(where, key.hexdigest(), pixels, vision.video_placeholder(groups) if g == 0 else None))
+    if not (have_embeddings and all(have_embeddings(p.content_hash) for p in out)):
+        for p in out:
+            vision.pixels(p.pixels)
     return out
 
 
