@@ -273,8 +273,11 @@ class AsyncEngine:
                 from mlxserve.cache import parse_size
                 from mlxserve.multimodal.vision_cache import VisionCache
 
+                from mlxserve.engine.stepwise import make_pausable
+
                 budget = parse_size(cfg.vision_cache_memory)
                 self.vision_cache = VisionCache(budget) if budget > 0 else None
+                make_pausable(self.loaded.vision.tower_blocks())  # where a tower pass may yield to decoding
             runner = Runner(
                 self.loaded.model,
                 max_num_seqs=cfg.max_num_seqs,

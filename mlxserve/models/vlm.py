@@ -125,9 +125,6 @@ class VisionAdapter:
         self.processor_config = processor_config
         self.tokenizer = tokenizer
         self.text_model = TextModel(model.language_model, mrope=self.mrope)
-        from mlxserve.engine.stepwise import make_pausable
-
-        make_pausable(self.tower_blocks())
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.convert_ids_to_tokens(token_id)
