@@ -87,15 +87,16 @@ class LLM:
     def __exit__(self, *exc):
         self.close()
 
-    def _run(self, prompts: list[list[int]], params) -> list[CompletionOutput]:
+    def _run(self, prompts: list[list[int]], params, images=None) -> list[CompletionOutput]:
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("params: give one SamplingParams, or one per prompt")
+        images = images or [[] for _ in prompts]
 
         async def run_all():
             streams = [
-                self.engine.submit(Request(list(ids), p)) for ids, p in zip(prompts, params)
+                self.engine.submit(Request(list(ids), p, images=im)) for ids, p, im in zip(prompts, params, images)
             ]
             return await asyncio.gather(*(collect(s, len(ids)) for s, ids in zip(streams, prompts)))
 
@@ -113,10 +114,19 @@ class LLM:
 
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, *,
              tools=None, chat_template_kwargs=None) -> list[CompletionOutput]:
-        """Answer one conversation (a list of messages) or several."""
+        """Answer one conversation (a list of messages) or several.
+
+        With a vision-language model, content may be a list of parts:
+        {"type": "text", "text": ...}, {"type": "image", "image": <PIL image>},
+        {"type": "image_url", "image_url": {"url": ...}}, {"type": "video", "video": [frames]}
+        or {"type": "video_url", "video_url": {"url": ...}}.
+        """
+        from mlxserve.multimodal.prompt import chat_prompt
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_lists = [
-            render_chat(self.tokenizer, c, tools=tools, chat_template_kwargs=chat_template_kwargs)
+        prompts = [
+            chat_prompt(self.loaded, c, have_embeddings=self.engine.has_image_embeddings, tools=tools,
+                        chat_template_kwargs=chat_template_kwargs)
             for c in conversations
         ]
-        return self._run(token_lists, params)
+        return self._run([ids for ids, _ in prompts], params, [images for _, images in prompts])

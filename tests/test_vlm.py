@@ -454,3 +454,20 @@ def test_video_over_http_and_bad_video(vlm_server, tiny):
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages[0].content[0]")
     with pytest.raises(ImagePartError, match="not video"):  # Gemma 3 takes images only
         prepare_images(tiny("gemma3-vl-tiny").vision, [("part", video_url(), "video")], MediaLimits())
+
+
+def test_python_api_takes_images(tiny):
+    from mlxserve.llm import LLM
+
+    image = picture(4)
+    req = chat_request(tiny("qwen2.5-vl-tiny"), [("user", [image, "What is in this picture?"])], max_tokens=6)
+    engine = AsyncEngine(tiny("qwen2.5-vl-tiny"), EngineConfig()).start()
+    try:
+        (want, _), = run(engine, req)
+    finally:
+        engine.stop()
+    with LLM("qwen2.5-vl-tiny", load_format="dummy") as llm:
+        messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                                 {"type": "text", "text": "What is in this picture?"}]}]
+        out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert out[0].token_ids == want
