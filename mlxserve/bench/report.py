@@ -39,6 +39,7 @@ def machine() -> dict:
         mem_gb = 0
     device = mx.default_device()
     info = {
+        "commit": commit(),  # now, when the run starts: the code it measures
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
@@ -75,10 +76,10 @@ def result_path(kind: str, backend: str, out_dir: str | Path = "benchmarks") -> 
 
 
 def header(title: str, info: dict, command: str) -> str:
-    lines = [f"# {title}", "", f"- commit: `{commit()}`",
+    lines = [f"# {title}", "", f"- commit: `{info.get('commit') or commit()}`",
              f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
              f"- command: `{command}`"]
-    lines += [f"- {k}: {v}" for k, v in info.items()]
+    lines += [f"- {k}: {v}" for k, v in info.items() if k != "commit"]
     return "\n".join(lines) + "\n"
 
 
