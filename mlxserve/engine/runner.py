@@ -11,10 +11,9 @@ boundary, and carries on there.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
-
-import logging
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
