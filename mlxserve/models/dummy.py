@@ -414,10 +414,13 @@ def list_shapes() -> list[tuple[str, str]]:
     """(name, description) of every named shape, for `mlxserve shapes`."""
     rows = []
     for name, c in SHAPES.items():
+        tower = "vision_config" in c
         c = text_config(c)
         extra = ""
         if "sliding_window" in c:
             extra = f", sliding window {c['sliding_window']}"
+        if tower:
+            extra += ", plus a vision tower (text model counted)"
         rows.append(
             (
                 name,
