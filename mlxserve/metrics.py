@@ -53,6 +53,7 @@ class Metrics:
                   registry=r).set_function(lambda: engine.steps)
 
             r.register(PrefixCacheCollector(engine))
+            r.register(VisionCacheCollector(engine))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -84,5 +85,28 @@ class PrefixCacheCollector:
             ("prefix_cache_bytes", "Bytes of cached blocks in memory.", pool.nbytes),
             ("prefix_cache_budget_bytes", "Byte budget of the prefix cache.", pool.budget),
             ("prefix_cache_blocks", "Cached blocks in memory.", len(pool)),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class VisionCacheCollector:
+    """The vision-embedding cache's counters (plain ints, read at scrape time like the prefix cache's)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        vc = self.engine.vision_cache
+        if vc is None:
+            return
+        for name, doc, value in (
+            ("vision_cache_hits", "Images whose embeddings came from the vision cache.", vc.hits),
+            ("vision_cache_misses", "Images run through the vision tower.", vc.misses),
+            ("vision_cache_evictions", "Entries evicted to keep the byte budget.", vc.evictions),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+            ("vision_cache_bytes", "Bytes of cached image embeddings.", vc.bytes),
+            ("vision_cache_entries", "Cached images (or video frame groups).", len(vc.entries)),
         ):
             yield GaugeMetricFamily(name, doc, value=value)

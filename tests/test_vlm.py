@@ -221,6 +221,11 @@ def test_same_picture_by_data_url_file_and_http_is_one_entry(vlm_server, media_s
     finally:
         limits.allow_private_urls = False
     after = stats(vlm_server)["vision_cache"]
+    import httpx
+
+    metrics = httpx.get(vlm_server.url + "/metrics").text
+    assert f"vision_cache_entries {float(after['entries'])}" in metrics
+    assert f"vision_cache_misses_total {float(after['misses'])}" in metrics
     assert after["entries"] - before["entries"] == 1
     assert after["misses"] - before["misses"] == 1
     assert len({a for a, _ in answers}) == 1
