@@ -476,3 +476,29 @@ def test_python_api_takes_images(tiny):
                                                  {"type": "text", "text": "What is in this picture?"}]}]
         out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert out[0].token_ids == want
+
+
+def test_two_images_in_one_message_match_mlx_vlm(tiny):
+    import mlx.core as mx
+
+    loaded = tiny("qwen2.5-vl-tiny")
+    vision = loaded.vision
+    req = chat_request(loaded, [("user", [picture(31), "and", picture(32, (60, 90)), "Compare them."])], max_tokens=8)
+    assert len(req.images) == 2 and req.images[1].start > req.images[0].start + req.images[0].num_tokens
+    engine = AsyncEngine(loaded, EngineConfig(prefill_chunk_size=5)).start()
+    try:
+        (got, _), = run(engine, req)
+    finally:
+        engine.stop()
+    ids = mx.array([req.prompt_token_ids])
+    pixels = mx.array(np.concatenate([vision.pixels(im.pixels) for im in req.images]))
+    grids = mx.array([im.pixels.grid_thw for im in req.images])
+    emb = vision.model.get_input_embeddings(ids, pixels, image_grid_thw=grids, mask=mx.ones(ids.shape))
+    lm = vision.model.language_model
+    cache = vision.text_model.make_cache()[: vision.text_model.n_layers]
+    logits = lm(ids, inputs_embeds=emb.inputs_embeds, cache=cache, position_ids=emb.position_ids,
+                rope_deltas=emb.rope_deltas).logits
+    want = [mx.argmax(logits[0, -1]).item()]
+    while len(want) < 8:
+        want.append(mx.argmax(lm(mx.array([[want[-1]]]), cache=cache).logits[0, -1]).item())
+    assert got == want
