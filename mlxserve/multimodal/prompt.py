@@ -1,19 +1,19 @@
-"""Chat messages with images -> prompt text with placeholders -> `PromptImage`s.
+"""Chat messages with images and video -> prompt text with placeholders -> `PromptImage`s.
 
 The chat template sees each image as its family's placeholder text (Qwen:
 <|vision_start|><|image_pad|>...<|vision_end|>, one pad per image token;
 Gemma 3: <start_of_image><image_soft_token>...<end_of_image>), so any text
-template renders it. After tokenizing, each image's run of image tokens is
-found in order and checked against the image it stands for.
+template renders it. After tokenizing, each image's run of image tokens (a
+video's run of video tokens, cut into its frame groups) is found in order and
+checked against the image it stands for.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from mlxserve.engine.request import PromptImage
-import hashlib
-
 from mlxserve.multimodal.media import MediaError, MediaLimits, load_image, load_video, pixel_hash
 
 
