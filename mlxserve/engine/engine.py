@@ -181,8 +181,7 @@ class AsyncEngine:
 
     def has_image_embeddings(self, content_hash: str) -> bool:
         """Whether the vision cache holds this image now (a lock-free peek from any thread: it may be evicted soon)."""
-        vc, vision = self.vision_cache, self.loaded.vision
-        return vc is not None and vc.contains((self.loaded.fingerprint, content_hash, vision.settings_key()))
+        return self.vision_cache is not None and self.vision_cache.contains(content_hash)
 
     def abort(self, request_id: str) -> None:
         """Free the request's slot at the next step; its stream ends with finish_reason "abort"."""
@@ -276,7 +275,8 @@ class AsyncEngine:
                 from mlxserve.engine.stepwise import make_pausable
 
                 budget = parse_size(cfg.vision_cache_memory)
-                self.vision_cache = VisionCache(budget) if budget > 0 else None
+                scope = (self.loaded.fingerprint, self.loaded.vision.settings_key())
+                self.vision_cache = VisionCache(budget, scope) if budget > 0 else None
                 make_pausable(self.loaded.vision.tower_blocks())  # where a tower pass may yield to decoding
             runner = Runner(
                 self.loaded.model,
@@ -287,7 +287,6 @@ class AsyncEngine:
                 prefix_cache=self.prefix_cache,
                 vision=self.loaded.vision,
                 vision_cache=self.vision_cache,
-                fingerprint=self.loaded.fingerprint,
                 vision_step_s=cfg.vision_step_ms / 1e3,
             )
             scheduler = Scheduler(

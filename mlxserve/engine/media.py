@@ -24,15 +24,14 @@ from mlxserve.engine.stepwise import Stepwise
 
 
 class MediaPrefill:
-    def __init__(self, vision, seq, chunk_size: int, cache, *, vision_cache=None, fingerprint="",
-                 prefix_cache=None, vision_step_s: float = 0.02):
+    def __init__(self, vision, seq, chunk_size: int, cache, *, vision_cache=None, prefix_cache=None,
+                 vision_step_s: float = 0.02):
         self.vision = vision
         self.vision_step_s = vision_step_s
         self.encoding: tuple[int, Stepwise] | None = None  # an image mid-tower
         self.seq = seq
         self.chunk_size = chunk_size
         self.vision_cache = vision_cache
-        self.fingerprint = fingerprint
         self.prefix_cache = prefix_cache
         self.prompt = list(seq.request.prompt_token_ids)
         self.cache = cache if cache is not None else make_prompt_cache(vision.text_model)
@@ -56,22 +55,19 @@ class MediaPrefill:
             if im.start < end and im.start + im.num_tokens > start
         ]
 
-    def _key(self, image) -> tuple:
-        return (self.fingerprint, image.content_hash, self.vision.settings_key())  # as AsyncEngine.has_image_embeddings
-
     def _take_cached(self) -> None:
         """Take every needed image the vision cache holds now (no step needed for those)."""
         if self.vision_cache is None:
             return
         for i in self._needed(self.done, self.end):
-            key = self._key(self.seq.request.images[i])
+            key = self.seq.request.images[i].content_hash
             if self.vision_cache.contains(key):  # a miss is counted once, by _encode
                 self.features[i] = self.vision_cache.get(key)
 
     def _encode(self, i: int) -> None:
         """Advance image i: from the vision cache at once, else one slice of the tower."""
         image = self.seq.request.images[i]
-        key = self._key(image)
+        key = image.content_hash
         if self.encoding is None:
             feats = self.vision_cache.get(key) if self.vision_cache is not None else None
             if feats is not None:

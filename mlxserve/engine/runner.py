@@ -181,12 +181,11 @@ class SoloDecoder:
 class Runner:
     def __init__(self, model, *, max_num_seqs: int, prefill_chunk_size: int,
                  prefill_batch_size: int, solo_fast_path: bool = True, prefix_cache=None,
-                 vision=None, vision_cache=None, fingerprint: str = "", vision_step_s: float = 0.02):
+                 vision=None, vision_cache=None, vision_step_s: float = 0.02):
         self.model = model
         self.prefix_cache = prefix_cache  # a PrefixCache, or None when caching is off
         self.vision = vision  # the model's VisionAdapter, for prompts with images
         self.vision_cache = vision_cache
-        self.fingerprint = fingerprint
         self.vision_step_s = vision_step_s
         self.media: list[MediaPrefill] = []  # prompts with images, being prefilled (in order)
         self.failed: list[tuple[Sequence, str]] = []  # sequences that failed alone; the engine drains it
@@ -237,8 +236,8 @@ class Runner:
         cache = self._restore_prefix(seq)
         if seq.request.images:
             self.media.append(MediaPrefill(self.vision, seq, self.prefill_chunk_size, cache,
-                                           vision_cache=self.vision_cache, fingerprint=self.fingerprint,
-                                           prefix_cache=self.prefix_cache, vision_step_s=self.vision_step_s))
+                                           vision_cache=self.vision_cache, prefix_cache=self.prefix_cache,
+                                           vision_step_s=self.vision_step_s))
             return []
         return self._start(seq, cache, seq.cached_tokens)
 

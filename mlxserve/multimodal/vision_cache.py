@@ -1,8 +1,9 @@
 """Vision-embedding cache: an image's projected embeddings, by content, under a byte budget.
 
-Keyed by (model fingerprint, pixel hash, processor settings): the same
+Keyed by (model fingerprint, processor settings, pixel hash): the same
 picture sent as a URL, a data URL or a file is one entry, and the same
-pixels under other resize settings are another. LRU: a hit moves an entry to
+pixels under other resize settings are another. The first two are the
+cache's `scope` (one model per engine); callers give the pixel hash. LRU: a hit moves an entry to
 the back, and inserting evicts from the front until the budget holds. An
 entry larger than the whole budget is not kept.
 """
@@ -13,15 +14,17 @@ from collections import OrderedDict
 
 
 class VisionCache:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, scope: tuple = ()):
         self.budget = budget_bytes
+        self.scope = scope
         self.entries: OrderedDict[tuple, object] = OrderedDict()
         self.bytes = 0
         self.hits = 0
         self.misses = 0
         self.evictions = 0
 
-    def get(self, key: tuple):
+    def get(self, content_hash: str):
+        key = (*self.scope, content_hash)
         feats = self.entries.get(key)
         if feats is None:
             self.misses += 1
@@ -30,10 +33,11 @@ class VisionCache:
         self.hits += 1
         return feats
 
-    def contains(self, key: tuple) -> bool:
-        return key in self.entries  # one dict lookup: safe from another thread
+    def contains(self, content_hash: str) -> bool:
+        return (*self.scope, content_hash) in self.entries  # one dict lookup: safe from another thread
 
-    def put(self, key: tuple, feats) -> None:
+    def put(self, content_hash: str, feats) -> None:
+        key = (*self.scope, content_hash)
         size = feats.nbytes
         if key in self.entries or size > self.budget:
             return
