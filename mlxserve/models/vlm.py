@@ -122,9 +122,9 @@ class VisionAdapter:
     def __init__(self, model, config: dict, processor_config: dict, tokenizer):
         self.model = model
         self.config = config
-        self.processor_config = processor_config
         self.tokenizer = tokenizer
         self.text_model = TextModel(model.language_model, mrope=self.mrope)
+        self._settings_key = json.dumps({"family": self.family, "processor": processor_config}, sort_keys=True)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.convert_ids_to_tokens(token_id)
@@ -134,9 +134,6 @@ class VisionAdapter:
 
     def settings_key(self) -> str:
         """What, besides the pixels, decides an image's embeddings (part of the vision-cache key)."""
-        if not hasattr(self, "_settings_key"):
-            self._settings_key = json.dumps({"family": self.family, "processor": self.processor_config},
-                                            sort_keys=True)
         return self._settings_key
 
     def tower_blocks(self) -> list:
@@ -327,48 +324,6 @@ def _guard_window_index(tower) -> None:
     tower.get_window_index = get_window_index
 
 
-class Gemma3VL(VisionAdapter):
-    """Gemma 3: a SigLIP tower at a fixed size, pooled to `mm_tokens_per_image` soft tokens."""
-
-    family = "gemma3"
-
-    def __init__(self, model, config, processor_config, tokenizer):
-        super().__init__(model, config, processor_config, tokenizer)
-        self.image_token_id = config.get("image_token_index", 262144)
-        self._wrap = (self.token_text(config.get("boi_token_index", 255999)),
-                      self.token_text(self.image_token_id),
-                      self.token_text(config.get("eoi_token_index", 256000)))
-        self.size = config["vision_config"].get("image_size", 896)
-        self.tokens_per_image = config.get("text_config", config).get("mm_tokens_per_image", 256)
-        self.mean = np.array(processor_config.get("image_mean", [0.5, 0.5, 0.5]), np.float32)
-        self.std = np.array(processor_config.get("image_std", [0.5, 0.5, 0.5]), np.float32)
-
-    def tower_blocks(self) -> list:
-        return list(self.model.vision_tower.vision_model.encoder.layers)
-
-    def _layout(self, image) -> ImageInput:
-        return ImageInput(None, None, self.tokens_per_image)
-
-    def _pixels(self, image) -> np.ndarray:
-        return _square_pixels(image, self.size, self.mean, self.std, crop=False)
-
-    def placeholder(self, image: ImageInput) -> str:
-        start, soft, end = self._wrap
-        return "\n\n" + start + soft * image.num_tokens + end + "\n\n"
-
-    def encode(self, image: ImageInput):
-        import mlx.core as mx
-
-        m = self.model
-        dtype = m.language_model.model.embed_tokens.weight.dtype
-        pixels = mx.array(self.pixels(image)).transpose(0, 2, 3, 1).astype(dtype)
-        hidden, _, _ = m.vision_tower(pixels, output_hidden_states=False)
-        feats = m.multi_modal_projector(hidden)[0]
-        # Gemma's language model scales its input embeddings by sqrt(hidden);
-        # image features enter pre-divided, as mlx-vlm's merge does.
-        return feats / math.sqrt(m.config.text_config.hidden_size)
-
-
 def _square_pixels(image, size: int, mean, std, crop: bool):
     """A square tower input: resize (shortest side, then center crop, if `crop`), scale to [0, 1], normalize.
 
@@ -391,21 +346,18 @@ def _square_pixels(image, size: int, mean, std, crop: bool):
     return x.transpose(2, 0, 1)[None].copy()
 
 
-class Llava(VisionAdapter):
-    """LLaVA(-1.5): a CLIP tower at a fixed size, one token per patch (CLS dropped), an MLP projector."""
+class SquareTower(VisionAdapter):
+    """Families whose tower (SigLIP, CLIP) takes one fixed square input and gives a fixed number of tokens."""
 
-    family = "llava"
-    CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-    CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+    crop = False  # True: shortest side resized, then a center crop (CLIP); False: a plain resize
+    default_mean = default_std = (0.5, 0.5, 0.5)
 
-    def __init__(self, model, config, processor_config, tokenizer):
+    def __init__(self, model, config, processor_config, tokenizer, *, size: int, tokens_per_image: int):
         super().__init__(model, config, processor_config, tokenizer)
-        self.image_token_id = config.get("image_token_index", 32000)
-        vc = config["vision_config"]
-        self.size = vc.get("image_size", 336)
-        self.tokens_per_image = (self.size // vc.get("patch_size", 14)) ** 2
-        self.mean = np.array(processor_config.get("image_mean", self.CLIP_MEAN), np.float32)
-        self.std = np.array(processor_config.get("image_std", self.CLIP_STD), np.float32)
+        self.size = size
+        self.tokens_per_image = tokens_per_image
+        self.mean = np.array(processor_config.get("image_mean", self.default_mean), np.float32)
+        self.std = np.array(processor_config.get("image_std", self.default_std), np.float32)
 
     def tower_blocks(self) -> list:
         return list(self.model.vision_tower.vision_model.encoder.layers)
@@ -414,7 +366,54 @@ class Llava(VisionAdapter):
         return ImageInput(None, None, self.tokens_per_image)
 
     def _pixels(self, image) -> np.ndarray:
-        return _square_pixels(image, self.size, self.mean, self.std, crop=True)
+        return _square_pixels(image, self.size, self.mean, self.std, crop=self.crop)
+
+
+class Gemma3VL(SquareTower):
+    """Gemma 3: a SigLIP tower at a fixed size, pooled to `mm_tokens_per_image` soft tokens."""
+
+    family = "gemma3"
+
+    def __init__(self, model, config, processor_config, tokenizer):
+        super().__init__(model, config, processor_config, tokenizer,
+                         size=config["vision_config"].get("image_size", 896),
+                         tokens_per_image=config.get("text_config", config).get("mm_tokens_per_image", 256))
+        self.image_token_id = config.get("image_token_index", 262144)
+        self._wrap = (self.token_text(config.get("boi_token_index", 255999)),
+                      self.token_text(self.image_token_id),
+                      self.token_text(config.get("eoi_token_index", 256000)))
+
+    def placeholder(self, image: ImageInput) -> str:
+        start, soft, end = self._wrap
+        return "\n\n" + start + soft * image.num_tokens + end + "\n\n"
+
+    def encode(self, image: ImageInput):
+        import mlx.core as mx
+
+        m = self.model
+        dtype = m.language_model.model.embed_tokens.weight.dtype
+        pixels = mx.array(self.pixels(image)).transpose(0, 2, 3, 1).astype(dtype)
+        hidden, _, _ = m.vision_tower(pixels, output_hidden_states=False)
+        feats = m.multi_modal_projector(hidden)[0]
+        # Gemma's language model scales its input embeddings by sqrt(hidden);
+        # image features enter pre-divided, as mlx-vlm's merge does.
+        return feats / math.sqrt(m.config.text_config.hidden_size)
+
+
+class Llava(SquareTower):
+    """LLaVA(-1.5): a CLIP tower at a fixed size, one token per patch (CLS dropped), an MLP projector."""
+
+    family = "llava"
+    crop = True
+    default_mean = (0.48145466, 0.4578275, 0.40821073)  # CLIP's
+    default_std = (0.26862954, 0.26130258, 0.27577711)
+
+    def __init__(self, model, config, processor_config, tokenizer):
+        vc = config["vision_config"]
+        size = vc.get("image_size", 336)
+        super().__init__(model, config, processor_config, tokenizer,
+                         size=size, tokens_per_image=(size // vc.get("patch_size", 14)) ** 2)
+        self.image_token_id = config.get("image_token_index", 32000)
 
     def placeholder(self, image: ImageInput) -> str:
         return self.token_text(self.image_token_id) * image.num_tokens
