@@ -75,18 +75,17 @@ class PrefixCacheCollector:
         if pc is None:
             return
         pool = pc.pool
-        for name, doc, value in (
-            ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", pc.queried_tokens),
-            ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.", pc.hit_tokens),
-            ("prefix_cache_evictions", "Blocks evicted to keep the byte budget.", pool.evictions),
-        ):
-            yield CounterMetricFamily(name, doc, value=value)
-        for name, doc, value in (
-            ("prefix_cache_bytes", "Bytes of cached blocks in memory.", pool.nbytes),
-            ("prefix_cache_budget_bytes", "Byte budget of the prefix cache.", pool.budget),
-            ("prefix_cache_blocks", "Cached blocks in memory.", len(pool)),
-        ):
-            yield GaugeMetricFamily(name, doc, value=value)
+        yield from _families(
+            counters=[
+                ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", pc.queried_tokens),
+                ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.", pc.hit_tokens),
+                ("prefix_cache_evictions", "Blocks evicted to keep the byte budget.", pool.evictions),
+            ],
+            gauges=[
+                ("prefix_cache_bytes", "Bytes of cached blocks in memory.", pool.nbytes),
+                ("prefix_cache_budget_bytes", "Byte budget of the prefix cache.", pool.budget),
+                ("prefix_cache_blocks", "Cached blocks in memory.", len(pool)),
+            ])
 
 
 class VisionCacheCollector:
@@ -99,14 +98,21 @@ class VisionCacheCollector:
         vc = self.engine.vision_cache
         if vc is None:
             return
-        for name, doc, value in (
-            ("vision_cache_hits", "Images whose embeddings came from the vision cache.", vc.hits),
-            ("vision_cache_misses", "Images run through the vision tower.", vc.misses),
-            ("vision_cache_evictions", "Entries evicted to keep the byte budget.", vc.evictions),
-        ):
-            yield CounterMetricFamily(name, doc, value=value)
-        for name, doc, value in (
-            ("vision_cache_bytes", "Bytes of cached image embeddings.", vc.bytes),
-            ("vision_cache_entries", "Cached images (or video frame groups).", len(vc.entries)),
-        ):
-            yield GaugeMetricFamily(name, doc, value=value)
+        yield from _families(
+            counters=[
+                ("vision_cache_hits", "Images whose embeddings came from the vision cache.", vc.hits),
+                ("vision_cache_misses", "Images run through the vision tower.", vc.misses),
+                ("vision_cache_evictions", "Entries evicted to keep the byte budget.", vc.evictions),
+            ],
+            gauges=[
+                ("vision_cache_bytes", "Bytes of cached image embeddings.", vc.bytes),
+                ("vision_cache_entries", "Cached images (or video frame groups).", len(vc.entries)),
+            ])
+
+
+def _families(counters, gauges):
+    """Prometheus families from (name, help, value) rows."""
+    for name, doc, value in counters:
+        yield CounterMetricFamily(name, doc, value=value)
+    for name, doc, value in gauges:
+        yield GaugeMetricFamily(name, doc, value=value)
