@@ -312,8 +312,24 @@ def stream_error(exc: Exception) -> bytes:
     return event(error_body(exc, anthropic=False))
 
 
-async def chat_events(state: ServerState, run: Run, head: dict, n: int, logprobs: bool,
-                      include_usage: bool, calls: ToolCalls):
+async def openai_stream(run: Run, base: dict, choices: list[Choice], n: int, include_usage: bool, chunks):
+    """What every OpenAI stream shares around its `chunks`: the usage chunk last,
+    an error event instead of a broken stream, the run closed, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+        if include_usage:
+            yield event({**base, "choices": [], "usage": usage(choices, n)})
+    except Exception as e:  # noqa: BLE001 - a bug here must still end the stream properly
+        yield stream_error(e)
+    finally:
+        run.close()
+        await chunks.aclose()
+    yield DONE
+
+
+def chat_events(state: ServerState, run: Run, head: dict, n: int, logprobs: bool,
+                include_usage: bool, calls: ToolCalls):
     base = {**head, "object": "chat.completion.chunk"}
     if include_usage:
         base["usage"] = None  # OpenAI: null on every chunk but the last
@@ -324,7 +340,8 @@ async def chat_events(state: ServerState, run: Run, head: dict, n: int, logprobs
 
     choices = [Choice() for _ in range(n)]
     deltas = [ChatDeltas(calls.stream()) for _ in range(n)]
-    try:
+
+    async def chunks():
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
         async for i, out in run:
@@ -339,13 +356,8 @@ async def chat_events(state: ServerState, run: Run, head: dict, n: int, logprobs
                 yield chunk(i, {"tool_calls": [call]})
             if out.finished:
                 yield chunk(i, {}, finish=deltas[i].finish_reason(out.finish_reason))
-        if include_usage:
-            yield event({**base, "choices": [], "usage": usage(choices, n)})
-    except Exception as e:  # noqa: BLE001 - a bug here must still end the stream properly
-        yield stream_error(e)
-    finally:
-        run.close()
-    yield DONE
+
+    return openai_stream(run, base, choices, n, include_usage, chunks())
 
 
 # ---- legacy completions ----
@@ -443,8 +455,8 @@ async def completions(body: CompletionRequest, request: Request):
     })
 
 
-async def completion_events(state: ServerState, run: Run, head: dict, n: int, echoes: list[str],
-                            logprobs: bool, include_usage: bool):
+def completion_events(state: ServerState, run: Run, head: dict, n: int, echoes: list[str],
+                      logprobs: bool, include_usage: bool):
     base = dict(head)
     if include_usage:
         base["usage"] = None
@@ -455,7 +467,8 @@ async def completion_events(state: ServerState, run: Run, head: dict, n: int, ec
 
     choices = [Choice() for _ in echoes]
     legacy = [LegacyLogprobs(state, len(e)) for e in echoes]
-    try:
+
+    async def chunks():
         for i, echo in enumerate(echoes):
             if echo:
                 yield chunk(i, echo)
@@ -464,13 +477,8 @@ async def completion_events(state: ServerState, run: Run, head: dict, n: int, ec
             lps = legacy[i](visible_logprobs(out)) if logprobs else None
             if out.new_text or (lps and lps["tokens"]) or out.finished:
                 yield chunk(i, out.new_text, finish=out.finish_reason, lps=lps)
-        if include_usage:
-            yield event({**base, "choices": [], "usage": usage(choices, n)})
-    except Exception as e:  # noqa: BLE001 - a bug here must still end the stream properly
-        yield stream_error(e)
-    finally:
-        run.close()
-    yield DONE
+
+    return openai_stream(run, base, choices, n, include_usage, chunks())
 
 
 # ---- models ----
