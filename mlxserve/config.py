@@ -76,6 +76,13 @@ class EngineConfig:
         "backend, 256 on a GPU, where storing a block costs kernel launches per layer, so "
         "small blocks slow down misses (see benchmarks/prefix-*).",
     )
+    kv_bits: int | None = setting(
+        None,
+        "Quantize the KV cache of full-attention layers to this many bits (4 or 8), from "
+        "the first token: about half (8) or a quarter (4) of the KV memory, in the running "
+        "batch and in prefix-cache blocks. Sliding-window and recurrent layers stay unquantized.",
+        choices=(4, 8),
+    )
     vision_cache_memory: str = setting(
         "512MB",
         "Byte budget of the vision-embedding cache (images' projected embeddings, by pixel "

@@ -1,6 +1,7 @@
 """The prefix cache through the engine: a hit never changes a token, and nothing leaks."""
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -8,6 +9,8 @@ import pytest
 from mlxserve.config import EngineConfig
 from mlxserve.engine.engine import AsyncEngine
 from mlxserve.engine.request import Request, SamplingParams
+from mlxserve.models.dummy import SHAPES
+from mlxserve.models.load import load
 
 # (shape, engine settings): gemma3-tiny has a 16-token sliding window on 3 of 4
 # layers and lfm2-tiny recurrent (short-conv) layers beside attention.
@@ -41,10 +44,8 @@ def prompt_of(n, seed):
     return [rng.randrange(100, 20000) for _ in range(n)]
 
 
-@pytest.mark.parametrize("shape", list(CASES))
-def test_cache_hits_give_the_same_tokens(tiny, shape):
-    loaded = tiny(shape)
-    settings = CASES[shape]
+def check_hits_give_the_same_tokens(loaded, settings):
+    """Greedy tokens with the cache off, cold, on a full hit, a partial hit and in a batch are identical."""
     shared = prompt_of(70, 1)  # longer than gemma3-tiny's window
     first, other, partial = shared + prompt_of(5, 2), shared + prompt_of(9, 3), shared[:40] + prompt_of(20, 4)
     off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
@@ -60,6 +61,7 @@ def test_cache_hits_give_the_same_tokens(tiny, shape):
             (again, other_cached), = run(on, [other])  # shares the first 70 tokens
             (part, part_cached), = run(on, [partial])  # shares 40 tokens
             batch = run(on, [first, other, partial, prompt_of(30, 5)])  # hits inside a batch
+            stats = asyncio.run(on.cache_stats())["prefix_cache"]
         finally:
             on.stop()
         assert cold_cached == 0 and cold == reference[0]
@@ -68,6 +70,36 @@ def test_cache_hits_give_the_same_tokens(tiny, shape):
         assert part == reference[2] and 32 <= part_cached <= 40
         assert [t for t, _ in batch[:3]] == reference
         assert all(c > 0 for _, c in batch[:3])
+    return stats
+
+
+@pytest.mark.parametrize("shape", list(CASES))
+def test_cache_hits_give_the_same_tokens(tiny, shape):
+    check_hits_give_the_same_tokens(tiny(shape), CASES[shape])
+
+
+@pytest.fixture(scope="module")
+def quantizable(tmp_path_factory):
+    """qwen3-tiny with 64-wide attention heads: KV quantizes in mlx's groups of 64."""
+    folder = tmp_path_factory.mktemp("qwen3-tiny-64")
+    (folder / "config.json").write_text(json.dumps(dict(SHAPES["qwen3-tiny"], head_dim=64)))
+    return load(str(folder), load_format="dummy", progress=False)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_kv_hits_give_the_same_tokens(quantizable, bits):
+    settings = dict(block_size=16, prefill_chunk_size=32)
+    stats = check_hits_give_the_same_tokens(quantizable, dict(settings, kv_bits=bits))
+    plain = check_hits_give_the_same_tokens(quantizable, settings)
+    # Blocks hold the quantized KV: f32 is 4 bytes an element, 8 bits 1 + 1/8 (scales and biases).
+    per_token, plain_per_token = stats["bytes"] / stats["blocks"], plain["bytes"] / plain["blocks"]
+    assert per_token == plain_per_token * (bits / 8 + 0.125) / 4
+
+
+def test_kv_bits_refuses_heads_it_cannot_quantize(tiny):
+    engine = AsyncEngine(tiny("llama-tiny"), EngineConfig(kv_bits=8))  # 16-wide heads
+    with pytest.raises(RuntimeError, match="kv-bits 8"):
+        engine.start()
 
 
 def test_second_turn_hits_the_first_turns_prompt_and_answer(tiny):

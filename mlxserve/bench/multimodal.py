@@ -40,6 +40,7 @@ def add_parser(sub) -> None:
                         "time per turn is kept (the first run also compiles kernels for new shapes).")
     p.add_argument("--answer-len", type=int, default=16, help="Output tokens per turn.")
     p.add_argument("--block-size", type=int, default=None, help="Prefix-cache block size (default: the engine's).")
+    p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8), help="Quantized KV in every engine run.")
     p.add_argument("--video-frames", default="4,8,16,32,64", help="Frame counts of the video table ('' skips it).")
     p.add_argument("--video-size", type=int, default=448, help="Frame side (px) of the video table.")
     p.add_argument("--stall-tokens", type=int, default=64,
@@ -71,6 +72,7 @@ class Bench:
 
         if self.args.block_size:
             settings["block_size"] = self.args.block_size
+        settings.setdefault("kv_bits", self.args.kv_bits)
         return AsyncEngine(self.loaded, EngineConfig(
             prefix_cache=prefix, vision_cache_memory="1GB" if vision else "0", cache_memory="50%",
             **settings)).start()
@@ -266,7 +268,7 @@ def run(args) -> int:
     try:
         turns = multi_turn(bench, args)
         abl = ablation(bench, args)
-        res = resolutions(bench, args)
+        res = resolutions(bench, args) if args.sizes else []
         vids = videos(bench, args) if args.video_frames else []
         stall = decode_stall(bench, args) if args.stall_tokens else []
     finally:
@@ -274,8 +276,9 @@ def run(args) -> int:
 
     ms = 1e3
     off, on = turns["no cache"], turns["cached"]
+    kv = f"{args.kv_bits}-bit KV" if args.kv_bits else "unquantized KV"
     md = [report.header("Multimodal cache benchmark", info, "mlxserve bench multimodal " + " ".join(sys.argv[3:])),
-          f"Model: {spec['label']} ({loaded.name}); block size {args.block_size or default_block_size()}; "
+          f"Model: {spec['label']} ({loaded.name}); {kv}; block size {args.block_size or default_block_size()}; "
           f"{args.answer_len} output tokens per turn; synthetic {args.size}x{args.size} image "
           f"({on[0]['image_tokens']} image tokens). Times in ms, best of {args.repeats} runs, each "
           f"with a new picture of the same size.\n",
@@ -293,15 +296,17 @@ def run(args) -> int:
               ["caches", "turn 1 TTFT", "turn 2 TTFT", "turn 2 cached tokens", "turn 2 total", "vs no cache"],
               [[r["config"], r["turn1"]["ttft"] * ms, r["turn2"]["ttft"] * ms, r["turn2"]["cached"],
                 r["turn2"]["total"] * ms, f"{abl[0]['turn2']['ttft'] / r['turn2']['ttft']:.1f}x"] for r in abl]),
-          "",
-          "## Image resolution (paper Table 5)\n",
-          report.table(
-              ["side px", "image tokens", "cold TTFT", "turn 2 TTFT", "speedup", "turn 2 prep", "suffix alone",
-               "hit/suffix"],
-              [[r["side"], r["cold"]["image_tokens"], r["cold"]["ttft"] * ms, r["hit"]["ttft"] * ms,
-                f"{r['cold']['ttft'] / r['hit']['ttft']:.1f}x", r["hit"]["prep"] * ms, r["hit"]["suffix_alone"] * ms,
-                f"{(r['hit']['ttft'] - r['hit']['prep']) / r['hit']['suffix_alone']:.2f}x"] for r in res]),
           ""]
+    if res:
+        md += ["## Image resolution (paper Table 5)\n",
+               report.table(
+                   ["side px", "image tokens", "cold TTFT", "turn 2 TTFT", "speedup", "turn 2 prep", "suffix alone",
+                    "hit/suffix"],
+                   [[r["side"], r["cold"]["image_tokens"], r["cold"]["ttft"] * ms, r["hit"]["ttft"] * ms,
+                     f"{r['cold']['ttft'] / r['hit']['ttft']:.1f}x", r["hit"]["prep"] * ms,
+                     r["hit"]["suffix_alone"] * ms,
+                     f"{(r['hit']['ttft'] - r['hit']['prep']) / r['hit']['suffix_alone']:.2f}x"] for r in res]),
+               ""]
     if vids:
         md += [f"## Video ({args.video_size} px frames; paper Tables 3 and 6)\n",
                report.table(["frames", "video tokens", "cold TTFT", "2nd question TTFT", "speedup", "cold turn",
@@ -320,11 +325,13 @@ def run(args) -> int:
     pc, vc = stats["prefix_cache"], stats["vision_cache"]
     kv_per_token = pc["bytes"] / max(1, pc["blocks"] * pc["block_size"])
     image_tokens = on[0]["image_tokens"]
+    entry = vc["bytes"] / max(1, vc["entries"]) + kv_per_token * image_tokens
     md += ["## Bytes per cached image\n",
            f"- Vision embeddings: {vc['bytes'] / max(1, vc['entries']) / 2**20:.1f} MiB per image "
            f"({vc['entries']} entries).",
            f"- KV blocks: {kv_per_token / 1024:.1f} KiB per token, so {kv_per_token * image_tokens / 2**20:.1f} MiB "
-           f"for the image's {image_tokens} tokens.", ""]
+           f"for the image's {image_tokens} tokens.",
+           f"- Together: {entry / 2**20:.1f} MiB ({entry / 1e6:.1f} MB) per image.", ""]
     text = "\n".join(md)
     print(text)
     report.write_result("multimodal", info, text, {"turns": turns, "ablation": abl, "resolutions": res,

@@ -41,6 +41,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prefix-lens", default="512,2048,8192", help="Shared prefix lengths, in tokens.")
     p.add_argument("--suffix-len", type=int, default=32, help="New tokens after the shared prefix.")
     p.add_argument("--block-size", type=int, default=None, help="Block size of the miss/hit table (default: the engine's).")
+    p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8), help="Quantized KV in every engine run.")
     p.add_argument("--block-sizes", default="32,64,128,256", help="Block sizes to compare (at the middle prefix length).")
     p.add_argument("--turns", type=int, default=8, help="Turns of the agent trace (0 skips it).")
     p.add_argument("--answer-len", type=int, default=32, help="Tokens per answer in the agent trace.")
@@ -67,14 +68,15 @@ def ttft(engine, prompt) -> tuple[float, int]:
     return asyncio.run(_ttft(engine, prompt))
 
 
-def resident_suffix(model, prefix: list[int], suffix: list[int], chunk: int = 512) -> float:
+def resident_suffix(model, prefix: list[int], suffix: list[int], chunk: int = 512, kv_bits=None) -> float:
     """Seconds to prefill `suffix` onto a cache that already holds `prefix`, up to the first token."""
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
-    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxserve.cache.quantized import make_cache
 
     with mx.stream(generation_stream):
-        cache = make_prompt_cache(model)
+        cache = make_cache(model, kv_bits)
         for i in range(0, len(prefix), chunk):
             model(mx.array(prefix[i:i + chunk])[None], cache=cache)
             mx.eval([c.state for c in cache])
@@ -89,8 +91,8 @@ def measure_lengths(loaded, args, rng, vocab) -> list[dict]:
     from mlxserve.engine.engine import AsyncEngine
 
     block = {"block_size": args.block_size} if args.block_size else {}
-    on = AsyncEngine(loaded, EngineConfig(cache_memory="50%", **block)).start()
-    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False)).start()
+    on = AsyncEngine(loaded, EngineConfig(cache_memory="50%", kv_bits=args.kv_bits, **block)).start()
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, kv_bits=args.kv_bits)).start()
     rows = []
     try:
         ttft(on, _tokens(rng, 64, vocab)), ttft(off, _tokens(rng, 64, vocab))  # warm up
@@ -108,7 +110,8 @@ def measure_lengths(loaded, args, rng, vocab) -> list[dict]:
                 row["suffix_only"].append(ttft(off, _tokens(rng, args.suffix_len, vocab))[0])
                 # The floor: the suffix alone, plus what attending to the prefix adds (model calls, both).
                 suffix = _tokens(rng, args.suffix_len, vocab)
-                context_cost = resident_suffix(loaded.model, prefix, suffix) - resident_suffix(loaded.model, [], suffix)
+                context_cost = (resident_suffix(loaded.model, prefix, suffix, kv_bits=args.kv_bits)
+                                - resident_suffix(loaded.model, [], suffix, kv_bits=args.kv_bits))
                 row["resident"].append(row["suffix_only"][-1] + max(0.0, context_cost))
             rows.append({k: min(v) if isinstance(v, list) else v for k, v in row.items()})
     finally:
@@ -126,7 +129,7 @@ def measure_block_sizes(loaded, args, rng, vocab) -> list[dict]:
     rows = []
     for bs in [int(x) for x in args.block_sizes.split(",")]:
         print(f"   block size {bs}", file=sys.stderr, flush=True)
-        engine = AsyncEngine(loaded, EngineConfig(block_size=bs, cache_memory="50%")).start()
+        engine = AsyncEngine(loaded, EngineConfig(block_size=bs, cache_memory="50%", kv_bits=args.kv_bits)).start()
         try:
             ttft(engine, _tokens(rng, 64, vocab))
             hits, misses, cached = [], [], 0
@@ -157,7 +160,7 @@ def agent_trace(loaded, args) -> list[dict]:
     questions = ["Where is the scheduler defined?", "What does it do when the queue is full?",
                  "Which tests cover it?", "Run them.", "Why did the second one fail?",
                  "Suggest a fix.", "Write the patch.", "Summarize the change for the commit message."]
-    engine = AsyncEngine(loaded, EngineConfig(cache_memory="50%")).start()
+    engine = AsyncEngine(loaded, EngineConfig(cache_memory="50%", kv_bits=args.kv_bits)).start()
     rows = []
     try:
         for turn in range(args.turns):
@@ -199,7 +202,8 @@ def run(args) -> int:
 
     command = "mlxserve bench prefix " + " ".join(sys.argv[3:])
     md = [report.header("Prefix cache benchmark", info, command),
-          f"Model: {spec['label']} ({loaded.name}). Time to first token (TTFT) in ms, best of "
+          f"Model: {spec['label']} ({loaded.name}), {f'{args.kv_bits}-bit' if args.kv_bits else 'unquantized'} KV. "
+          f"Time to first token (TTFT) in ms, best of "
           f"{args.repeats}; each prompt is a shared prefix plus {args.suffix_len} new tokens; "
           f"block size {args.block_size or default_block_size()}.\n"]
     table = report.table(

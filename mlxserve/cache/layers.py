@@ -4,8 +4,8 @@ A block's payload is a list with one entry per layer of the model's cache:
 
 - `KV(keys, values)`: the block's tokens of an attention layer, full or
   sliding-window, each (1, kv_heads, block_size, head_dim).
-- `QuantizedKV(keys, values, group_size, bits)`: the same, from mlx-lm's
-  `QuantizedKVCache` (keys and values are (packed, scales, biases)).
+- `QuantizedKV(keys, values, group_size, bits)`: the same, from a quantized
+  cache (`--kv-bits`; keys and values are (packed, scales, biases)).
 - `State(arrays)`: a recurrent layer's state (`ArraysCache`) after the block's
   last token. A recurrent state exists only where the cache ended when the
   block was stored, so only such blocks have one, and restores of recurrent
@@ -38,6 +38,9 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
+
+from mlxserve.cache.quantized import BatchQuantizedKVCache
+from mlxserve.cache.quantized import QuantizedKVCache as BatchableQuantizedKVCache
 
 
 class KV(NamedTuple):
@@ -448,6 +451,9 @@ def _extract_row(c, row, start, end, state_here, seen):
         if runs is None:
             return None
         rows = slice(row, row + 1)
+        if isinstance(c, BatchQuantizedKVCache):
+            return QuantizedKV(tuple(_take(a, rows, runs) for a in c.keys),
+                               tuple(_take(a, rows, runs) for a in c.values), c.group_size, c.bits)
         view = _stackable(c)  # copied by _stacked
         return KV(_take(c.keys, rows, runs, view), _take(c.values, rows, runs, view))
     if isinstance(c, PositionState):
@@ -540,7 +546,7 @@ def _restore_layer(t, entries, num_tokens, block_size):
             c.keys = _gather(entries, block_size, [(0, num_tokens)], lambda e: e.keys)
             c.values = _gather(entries, block_size, [(0, num_tokens)], lambda e: e.values)
         elif kinds == {QuantizedKV}:
-            c = QuantizedKVCache(group_size=entries[0].group_size, bits=entries[0].bits)
+            c = BatchableQuantizedKVCache(group_size=entries[0].group_size, bits=entries[0].bits)
             r = [(0, num_tokens)]
             c.keys = tuple(_gather(entries, block_size, r, lambda e, i=i: e.keys[i]) for i in range(3))
             c.values = tuple(_gather(entries, block_size, r, lambda e, i=i: e.values[i]) for i in range(3))

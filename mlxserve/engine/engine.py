@@ -260,13 +260,19 @@ class AsyncEngine:
             from mlxserve.engine.scheduler import Scheduler
 
             cfg = self.config
+            if cfg.kv_bits:
+                from mlxserve.cache.quantized import check_kv_bits
+
+                check_kv_bits(self.loaded.model, cfg.kv_bits)
             self.prefix_cache = None
             if cfg.prefix_cache:
                 from mlxserve.cache import BlockPool, PrefixCache, parse_size
 
+                # Blocks hold KV as the engine computes it: quantized KV is another fingerprint.
+                fingerprint = self.loaded.fingerprint + (f"/kv{cfg.kv_bits}" if cfg.kv_bits else "")
                 self.prefix_cache = PrefixCache(BlockPool(parse_size(cfg.cache_memory)),
                                                 cfg.block_size or default_block_size(),
-                                                self.loaded.fingerprint, model=self.loaded.model)
+                                                fingerprint, model=self.loaded.model)
             self.vision_cache = None
             if self.loaded.vision is not None:
                 from mlxserve.cache import parse_size
@@ -288,6 +294,7 @@ class AsyncEngine:
                 vision=self.loaded.vision,
                 vision_cache=self.vision_cache,
                 vision_step_s=cfg.vision_step_ms / 1e3,
+                kv_bits=cfg.kv_bits,
             )
             scheduler = Scheduler(
                 runner,

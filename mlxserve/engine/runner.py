@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxserve.cache.quantized import make_cache
 from mlxserve.engine.media import MediaPrefill
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import top_logprobs
@@ -181,8 +182,9 @@ class SoloDecoder:
 class Runner:
     def __init__(self, model, *, max_num_seqs: int, prefill_chunk_size: int,
                  prefill_batch_size: int, solo_fast_path: bool = True, prefix_cache=None,
-                 vision=None, vision_cache=None, vision_step_s: float = 0.02):
+                 vision=None, vision_cache=None, vision_step_s: float = 0.02, kv_bits: int | None = None):
         self.model = model
+        self.kv_bits = kv_bits  # quantized KV (full-attention layers), or None
         self.prefix_cache = prefix_cache  # a PrefixCache, or None when caching is off
         self.vision = vision  # the model's VisionAdapter, for prompts with images
         self.vision_cache = vision_cache
@@ -234,6 +236,8 @@ class Runner:
         if seq.request.images and self.vision is None:
             raise ValueError("this model takes no images")
         cache = self._restore_prefix(seq)
+        if cache is None:
+            cache = make_cache(self.model, self.kv_bits)
         if seq.request.images:
             self.media.append(MediaPrefill(self.vision, seq, self.prefill_chunk_size, cache,
                                            vision_cache=self.vision_cache, prefix_cache=self.prefix_cache,
@@ -269,7 +273,7 @@ class Runner:
         (uid,) = self.generator.insert(
             [list(prompt)],
             max_tokens=[seq.max_tokens - seq.num_generated],
-            caches=[cache] if cache is not None else None,
+            caches=[cache],
             all_tokens=[list(in_cache)],
             samplers=[seq.sampler],
             logits_processors=[seq.processors],
