@@ -66,14 +66,16 @@ class Nested(NamedTuple):
 class Payload(list):
     """A block's entries, one per layer.
 
-    When the block's full-attention layers (plain KVCache rows) share a shape,
-    `stack` holds all their keys then all their values in ONE array
-    (2 * len(stack_layers), 1, kv_heads, block_size, head_dim) and their
-    entries are views of it: a restore then concatenates one array per block
-    instead of one per block and layer (on a GPU each is a kernel launch).
+    When the block's full-attention layers share a shape, their arrays live
+    in `stacks` and their entries are views of them: a restore then
+    concatenates a few arrays per block instead of a few per block and layer
+    (on a GPU each is a kernel launch). Plain KV has one stack, all keys then
+    all values, (2 * len(stack_layers), 1, kv_heads, block_size, head_dim);
+    quantized KV two: the packed keys then values, and the keys' scales,
+    keys' biases, values' scales, values' biases.
     """
 
-    stack = None
+    stacks: tuple = ()
     stack_layers: tuple = ()
 
 
@@ -251,7 +253,7 @@ def fill_missing(old, new):
     if sum(map(_present, merged)) == sum(map(_present, old)):
         return None
     if isinstance(old, Payload):  # its full-attention entries are kept, so is their stack
-        merged.stack, merged.stack_layers = old.stack, old.stack_layers
+        merged.stacks, merged.stack_layers = old.stacks, old.stack_layers
     return merged
 
 
@@ -270,23 +272,58 @@ def _take(x: mx.array, rows: slice, runs, view: bool = False) -> mx.array:
 
 
 def _stackable(c) -> bool:
-    return type(c) in (KVCache, BatchKVCache)
+    return type(c) in (KVCache, BatchKVCache, QuantizedKVCache, BatchableQuantizedKVCache, BatchQuantizedKVCache)
+
+
+def _layout(e) -> tuple:
+    """What must agree for entries to share stacks: kind, shapes, dtypes, quantization."""
+    if isinstance(e, KV):
+        return KV, e.keys.shape, e.values.shape, e.keys.dtype
+    return (QuantizedKV, e.group_size, e.bits) + tuple((a.shape, a.dtype) for a in (*e.keys, *e.values))
+
+
+def _keys_like_values(e) -> bool:
+    """Keys and values of one shape: they can share a stack."""
+    if isinstance(e, KV):
+        return e.keys.shape == e.values.shape
+    return all(k.shape == v.shape for k, v in zip(e.keys, e.values))
+
+
+def _copied(e):
+    if isinstance(e, KV):
+        return KV(_copy(e.keys), _copy(e.values))
+    return QuantizedKV(tuple(map(_copy, e.keys)), tuple(map(_copy, e.values)), e.group_size, e.bits)
 
 
 def _stacked(entries: list, cache_layers) -> Payload:
-    """A Payload whose full-attention KV (views into the cache, from `view=True`) is one stacked copy."""
+    """A Payload whose full-attention KV (views into the cache, from `view=True`) is stacked copies."""
     payload = Payload(entries)
-    full = [i for i, c in enumerate(cache_layers) if _stackable(c) and isinstance(entries[i], KV)]
-    if len(full) > 1 and len({(entries[i].keys.shape, entries[i].keys.dtype) for i in full}) == 1:
-        n = len(full)
-        stack = mx.stack([entries[i].keys for i in full] + [entries[i].values for i in full])
-        for j, i in enumerate(full):
-            payload[i] = KV(stack[j], stack[n + j])
-        payload.stack, payload.stack_layers = stack, tuple(full)
-    else:
+    full = [i for i, c in enumerate(cache_layers) if _stackable(c) and isinstance(entries[i], (KV, QuantizedKV))]
+    if len(full) < 2 or len({_layout(entries[i]) for i in full}) != 1 or not _keys_like_values(entries[full[0]]):
         for i in full:
-            payload[i] = KV(_copy(entries[i].keys), _copy(entries[i].values))
+            payload[i] = _copied(entries[i])
+        return payload
+    n = len(full)
+    if isinstance(entries[full[0]], KV):
+        stacks = (mx.stack([entries[i].keys for i in full] + [entries[i].values for i in full]),)
+        for j, i in enumerate(full):
+            payload[i] = KV(stacks[0][j], stacks[0][n + j])
+    else:
+        packed = mx.stack([entries[i].keys[0] for i in full] + [entries[i].values[0] for i in full])
+        meta = mx.stack([entries[i].keys[1] for i in full] + [entries[i].keys[2] for i in full]
+                        + [entries[i].values[1] for i in full] + [entries[i].values[2] for i in full])
+        stacks = (packed, meta)
+        for j, i in enumerate(full):
+            payload[i] = _quantized_rows(stacks, n, j, entries[i])
+    payload.stacks, payload.stack_layers = stacks, tuple(full)
     return payload
+
+
+def _quantized_rows(stacks, n, j, like) -> QuantizedKV:
+    """Layer j (of n stacked) of quantized stacks, as a QuantizedKV."""
+    packed, meta = stacks
+    return QuantizedKV((packed[j], meta[j], meta[n + j]), (packed[n + j], meta[2 * n + j], meta[3 * n + j]),
+                       like.group_size, like.bits)
 
 
 # ---- single-sequence caches ----
@@ -345,9 +382,10 @@ def _extract_single(c, start, end, state_here):
         if c.keys is None or end > c.offset:
             return None
         runs = [(start, end)]
+        view = _stackable(c)  # copied by _stacked
         return QuantizedKV(
-            tuple(_take(a, slice(0, 1), runs) for a in c.keys),
-            tuple(_take(a, slice(0, 1), runs) for a in c.values),
+            tuple(_take(a, slice(0, 1), runs, view) for a in c.keys),
+            tuple(_take(a, slice(0, 1), runs, view) for a in c.values),
             c.group_size,
             c.bits,
         )
@@ -451,10 +489,10 @@ def _extract_row(c, row, start, end, state_here, seen):
         if runs is None:
             return None
         rows = slice(row, row + 1)
-        if isinstance(c, BatchQuantizedKVCache):
-            return QuantizedKV(tuple(_take(a, rows, runs) for a in c.keys),
-                               tuple(_take(a, rows, runs) for a in c.values), c.group_size, c.bits)
         view = _stackable(c)  # copied by _stacked
+        if isinstance(c, BatchQuantizedKVCache):
+            return QuantizedKV(tuple(_take(a, rows, runs, view) for a in c.keys),
+                               tuple(_take(a, rows, runs, view) for a in c.values), c.group_size, c.bits)
         return KV(_take(c.keys, rows, runs, view), _take(c.values, rows, runs, view))
     if isinstance(c, PositionState):
         return None
@@ -621,19 +659,25 @@ def restore_cache(model, payloads, num_tokens: int, *, block_size: int | None = 
 
 
 def _restore_stacked(payloads, num_tokens: int) -> dict:
-    """{layer: KVCache} for the full-attention layers every payload has stacked alike (else {})."""
+    """{layer: cache} for the full-attention layers every payload has stacked alike (else {})."""
     first = payloads[0]
-    if not all(isinstance(p, Payload) and p.stack is not None and p.stack_layers == first.stack_layers
-               for p in payloads):
+    if not all(isinstance(p, Payload) and p.stacks and p.stack_layers == first.stack_layers
+               and len(p.stacks) == len(first.stacks) for p in payloads):
         return {}
-    # One concatenation for all layers; each layer's cache is a view of it (fresh
-    # arrays: a cache's in-place updates never reach a block's).
-    all_layers = mx.concatenate([p.stack for p in payloads], axis=3)[..., :num_tokens, :]
+    # One concatenation per stack for all layers; each layer's cache is a view of it
+    # (fresh arrays: a cache's in-place updates never reach a block's).
+    joined = [mx.concatenate([p.stacks[k] for p in payloads], axis=3)[..., :num_tokens, :]
+              for k in range(len(first.stacks))]
     n = len(first.stack_layers)
     out = {}
     for j, i in enumerate(first.stack_layers):
-        c = KVCache()
-        c.keys, c.values = all_layers[j], all_layers[n + j]
+        like = first[i]
+        if isinstance(like, KV):
+            c = KVCache()
+            c.keys, c.values = joined[0][j], joined[0][n + j]
+        else:
+            c = BatchableQuantizedKVCache(group_size=like.group_size, bits=like.bits)
+            c.keys, c.values = _quantized_rows(joined, n, j, like)[:2]
         c.offset = num_tokens
         out[i] = c
     return out
