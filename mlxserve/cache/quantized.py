@@ -185,12 +185,16 @@ def make_cache(model, kv_bits: int | None = None, group_size: int = 64) -> list:
 
 
 def check_kv_bits(model, kv_bits: int, group_size: int = 64) -> None:
-    """Raise a clear ValueError if this model's KV cannot be quantized so (one token's forward pass)."""
+    """Raise a clear ValueError if this model's KV cannot be quantized so (a short forward pass).
+
+    Two tokens, not one: MLX-CUDA 0.32 has no quantized matmul against a
+    single key, so a one-token prompt fails there (Metal and CPU run it).
+    """
     cache = make_cache(model, kv_bits, group_size)
     if not any(isinstance(c, QuantizedKVCache) for c in cache):
         raise ValueError(f"--kv-bits {kv_bits}: this model has no full-attention KV cache to quantize")
     try:
-        mx.eval(model(mx.array([[0]]), cache=cache))
+        mx.eval(model(mx.array([[0, 0]]), cache=cache))
     except ValueError as e:
         raise ValueError(f"--kv-bits {kv_bits}: this model's attention heads cannot be quantized in groups "
                          f"of {group_size} ({e})") from None
