@@ -185,16 +185,17 @@ def make_cache(model, kv_bits: int | None = None, group_size: int = 64) -> list:
 
 
 def check_kv_bits(model, kv_bits: int, group_size: int = 64) -> None:
-    """Raise a clear ValueError if this model's KV cannot be quantized so (a short forward pass).
+    """Raise a clear ValueError if MLX cannot run this model with quantized KV here.
 
-    Two tokens, not one: MLX-CUDA 0.32 has no quantized matmul against a
-    single key, so a one-token prompt fails there (Metal and CPU run it).
+    Short forward passes find both kinds of failure: heads not divisible into
+    quantization groups, and backend gaps (MLX-CUDA 0.32 has no quantized
+    matmul for prompts of one or two tokens; Metal and CPU run them).
     """
-    cache = make_cache(model, kv_bits, group_size)
-    if not any(isinstance(c, QuantizedKVCache) for c in cache):
+    if not any(isinstance(c, QuantizedKVCache) for c in make_cache(model, kv_bits, group_size)):
         raise ValueError(f"--kv-bits {kv_bits}: this model has no full-attention KV cache to quantize")
-    try:
-        mx.eval(model(mx.array([[0, 0]]), cache=cache))
-    except ValueError as e:
-        raise ValueError(f"--kv-bits {kv_bits}: this model's attention heads cannot be quantized in groups "
-                         f"of {group_size} ({e})") from None
+    for n in (1, 2, 16):
+        try:
+            mx.eval(model(mx.zeros((1, n), mx.int32), cache=make_cache(model, kv_bits, group_size)))
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"--kv-bits {kv_bits}: MLX cannot run this model's quantized attention on "
+                             f"{mx.default_device()} (a {n}-token prompt fails: {e})") from None
