@@ -734,7 +734,7 @@ def test_prefix_cache_is_visible_in_usage_stats_and_metrics(client, http):
     second = chat(client, messages=[system, {"role": "user", "content": "How tall is it?"}], max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens > 400
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 256 <= cached < second.usage.prompt_tokens  # the shared system prompt (in 128-token blocks), not the question
+    assert 256 <= cached < second.usage.prompt_tokens  # the shared system prompt (in whole blocks), not the question
 
     stats = http.get("/v1/cache/stats").json()["prefix_cache"]
     assert stats["enabled"] and stats["blocks"] > 0 and 0 < stats["bytes"] <= stats["budget"]

@@ -5,7 +5,7 @@
 
 The second question reuses the image's embeddings (GET /v1/cache/stats shows
 the vision-cache hit) and the prompt's full KV blocks (`cached_tokens` in the
-usage: blocks are 128 tokens on the CPU, so a short prompt has none).
+usage counts whole blocks: 32 tokens on the CPU, 256 on a GPU).
 
     MLXSERVE_BASE_URL  the server's /v1 URL (default http://127.0.0.1:8000/v1)
     MLXSERVE_API_KEY   the key, if the server runs with --api-key
