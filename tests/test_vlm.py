@@ -2,8 +2,10 @@
 
 import asyncio
 import base64
+import copy
 import http.server
 import io
+import json
 import threading
 import time
 
@@ -13,6 +15,8 @@ import pytest
 from mlxserve.config import EngineConfig
 from mlxserve.engine.engine import AsyncEngine
 from mlxserve.engine.request import Request, SamplingParams
+from mlxserve.models.dummy import SHAPES
+from mlxserve.models.load import load
 from mlxserve.multimodal.prompt import chat_prompt
 
 VLMS = ["qwen2.5-vl-tiny", "gemma3-vl-tiny", "llava-tiny"]
@@ -64,14 +68,32 @@ def fresh(req: Request) -> Request:
 
 @pytest.mark.parametrize("shape", VLMS)
 def test_image_caches_never_change_tokens(tiny, shape):
-    loaded = tiny(shape)
+    check_image_caches_never_change_tokens(tiny(shape))
+
+
+@pytest.fixture(scope="module")
+def quantizable_vlm(tmp_path_factory):
+    """qwen2.5-vl-tiny with 64-wide attention heads (256 wide, 4 heads), so its KV quantizes in groups of 64."""
+    config = copy.deepcopy(SHAPES["qwen2.5-vl-tiny"])
+    config.update(hidden_size=256, rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]})
+    config["vision_config"]["out_hidden_size"] = 256
+    folder = tmp_path_factory.mktemp("qwen2.5-vl-tiny-64")
+    (folder / "config.json").write_text(json.dumps(config))
+    return load(str(folder), load_format="dummy", progress=False)
+
+
+def test_image_caches_never_change_tokens_with_quantized_kv(quantizable_vlm):
+    check_image_caches_never_change_tokens(quantizable_vlm, kv_bits=8)
+
+
+def check_image_caches_never_change_tokens(loaded, **engine_settings):
     a, b = picture(1), picture(2, (90, 80))
     turn1 = [("user", [a, "What is in this picture?"])]
     turn2 = turn1 + [("assistant", ["A lighthouse on a cliff."]), ("user", [b, "And in this one, compared to the first?"])]
     text_only = [("user", ["No picture here, just a question about lighthouses."])]
     r1, r2, rt = (chat_request(loaded, t) for t in (turn1, turn2, text_only))
     assert len(r1.images) == 1 and len(r2.images) == 2 and r2.images[0].start == r1.images[0].start
-    settings = dict(block_size=16, prefill_chunk_size=24)
+    settings = dict(block_size=16, prefill_chunk_size=24, **engine_settings)
 
     def engine(**kw):
         return AsyncEngine(loaded, EngineConfig(**settings, **kw)).start()
