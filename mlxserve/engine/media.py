@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.engine.stepwise import Stepwise
 
@@ -34,7 +33,7 @@ class MediaPrefill:
         self.vision_cache = vision_cache
         self.prefix_cache = prefix_cache
         self.prompt = list(seq.request.prompt_token_ids)
-        self.cache = cache if cache is not None else make_prompt_cache(vision.text_model)
+        self.cache = cache  # the runner makes it (make_cache: quantized with --kv-bits) or restores it
         self.done = seq.cached_tokens  # prompt tokens in the cache
         images_end = max(im.start + im.num_tokens for im in seq.request.images)
         # Text after the last image goes the text path (positions = offset + delta there).

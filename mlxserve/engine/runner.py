@@ -17,7 +17,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.cache.quantized import make_cache
 from mlxserve.engine.media import MediaPrefill
@@ -74,7 +73,7 @@ def _event(seq: Sequence, token: int, finish: str | None, row: mx.array | None) 
 class SoloDecoder:
     """One sequence, prefilled in chunks and decoded like `generate_step`."""
 
-    def __init__(self, model, seq: Sequence, chunk_size: int, cache=None, prefix_cache=None, prefilled=None,
+    def __init__(self, model, seq: Sequence, chunk_size: int, cache, prefix_cache=None, prefilled=None,
                  prompt_inputs=None):
         self.model = model
         # For prompts with images: prompt_inputs(start, end) gives the model's extra inputs
@@ -84,7 +83,7 @@ class SoloDecoder:
         self.chunk_size = chunk_size
         self.prefix_cache = prefix_cache
         prompt = list(seq.request.prompt_token_ids)
-        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.cache = cache  # the runner makes it (make_cache: quantized with --kv-bits) or restores it
         n = seq.cached_tokens if prefilled is None else prefilled  # prompt tokens already in `cache`
         self.in_cache: list[int] = prompt[:n]
         self.todo = prompt[n:]  # not yet in the cache
