@@ -86,13 +86,18 @@ def resident_suffix(model, prefix: list[int], suffix: list[int], chunk: int = 51
         return time.perf_counter() - start
 
 
-def measure_lengths(loaded, args, rng, vocab) -> list[dict]:
+def start_engine(loaded, args, **settings):
+    """An engine with these settings and the run's --kv-bits."""
     from mlxserve.config import EngineConfig
     from mlxserve.engine.engine import AsyncEngine
 
+    return AsyncEngine(loaded, EngineConfig(kv_bits=args.kv_bits, **settings)).start()
+
+
+def measure_lengths(loaded, args, rng, vocab) -> list[dict]:
     block = {"block_size": args.block_size} if args.block_size else {}
-    on = AsyncEngine(loaded, EngineConfig(cache_memory="50%", kv_bits=args.kv_bits, **block)).start()
-    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, kv_bits=args.kv_bits)).start()
+    on = start_engine(loaded, args, cache_memory="50%", **block)
+    off = start_engine(loaded, args, prefix_cache=False)
     rows = []
     try:
         ttft(on, _tokens(rng, 64, vocab)), ttft(off, _tokens(rng, 64, vocab))  # warm up
@@ -121,15 +126,12 @@ def measure_lengths(loaded, args, rng, vocab) -> list[dict]:
 
 
 def measure_block_sizes(loaded, args, rng, vocab) -> list[dict]:
-    from mlxserve.config import EngineConfig
-    from mlxserve.engine.engine import AsyncEngine
-
     lens = [int(x) for x in args.prefix_lens.split(",")]
     n = lens[len(lens) // 2]
     rows = []
     for bs in [int(x) for x in args.block_sizes.split(",")]:
         print(f"   block size {bs}", file=sys.stderr, flush=True)
-        engine = AsyncEngine(loaded, EngineConfig(block_size=bs, cache_memory="50%", kv_bits=args.kv_bits)).start()
+        engine = start_engine(loaded, args, block_size=bs, cache_memory="50%")
         try:
             ttft(engine, _tokens(rng, 64, vocab))
             hits, misses, cached = [], [], 0
@@ -148,8 +150,6 @@ def measure_block_sizes(loaded, args, rng, vocab) -> list[dict]:
 
 def agent_trace(loaded, args) -> list[dict]:
     """Turns of a tool-using conversation, re-rendered with the chat template each turn."""
-    from mlxserve.config import EngineConfig
-    from mlxserve.engine.engine import AsyncEngine
     from mlxserve.engine.request import Request, SamplingParams
     from mlxserve.llm import render_chat
 
@@ -160,7 +160,7 @@ def agent_trace(loaded, args) -> list[dict]:
     questions = ["Where is the scheduler defined?", "What does it do when the queue is full?",
                  "Which tests cover it?", "Run them.", "Why did the second one fail?",
                  "Suggest a fix.", "Write the patch.", "Summarize the change for the commit message."]
-    engine = AsyncEngine(loaded, EngineConfig(cache_memory="50%", kv_bits=args.kv_bits)).start()
+    engine = start_engine(loaded, args, cache_memory="50%")
     rows = []
     try:
         for turn in range(args.turns):
