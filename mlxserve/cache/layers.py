@@ -319,11 +319,12 @@ def _stacked(entries: list, cache_layers) -> Payload:
     return payload
 
 
-def _quantized_rows(stacks, n, j, like) -> QuantizedKV:
-    """Layer j (of n stacked) of quantized stacks, as a QuantizedKV."""
+def _quantized_rows(stacks, n, j, like, row=lambda a, r: a[r]) -> QuantizedKV:
+    """Layer j (of n stacked) of quantized stacks, as a QuantizedKV; `row(stack, r)` reads a row."""
     packed, meta = stacks
-    return QuantizedKV((packed[j], meta[j], meta[n + j]), (packed[n + j], meta[2 * n + j], meta[3 * n + j]),
-                       like.group_size, like.bits)
+    keys = (row(packed, j), row(meta, j), row(meta, n + j))
+    values = (row(packed, n + j), row(meta, 2 * n + j), row(meta, 3 * n + j))
+    return QuantizedKV(keys, values, like.group_size, like.bits)
 
 
 # ---- single-sequence caches ----
@@ -664,20 +665,28 @@ def _restore_stacked(payloads, num_tokens: int) -> dict:
     if not all(isinstance(p, Payload) and p.stacks and p.stack_layers == first.stack_layers
                and len(p.stacks) == len(first.stacks) for p in payloads):
         return {}
-    # One concatenation per stack for all layers; each layer's cache is a view of it
-    # (fresh arrays: a cache's in-place updates never reach a block's).
-    joined = [mx.concatenate([p.stacks[k] for p in payloads], axis=3)[..., :num_tokens, :]
-              for k in range(len(first.stacks))]
+    # One concatenation per stack for all layers, with KVCache.step free slots after
+    # the tokens: each layer's cache is a plain slice of it, so the next update writes
+    # in place of a slice (one contiguous copy) instead of growing the cache (a copy
+    # from a strided view), and a restore costs little more than the floor.
+    joined = []
+    for stack in range(len(first.stacks)):
+        parts = [p.stacks[stack].squeeze(1) for p in payloads]  # (rows, heads, tokens, dim)
+        spare = KVCache.step - (sum(a.shape[2] for a in parts) - num_tokens)
+        if spare > 0:
+            rows, heads, _, dim = parts[0].shape
+            parts.append(mx.zeros((rows, heads, spare, dim), parts[0].dtype))
+        joined.append(mx.concatenate(parts, axis=2))
     n = len(first.stack_layers)
     out = {}
     for j, i in enumerate(first.stack_layers):
         like = first[i]
         if isinstance(like, KV):
             c = KVCache()
-            c.keys, c.values = joined[0][j], joined[0][n + j]
+            c.keys, c.values = joined[0][j:j + 1], joined[0][n + j:n + j + 1]
         else:
             c = BatchableQuantizedKVCache(group_size=like.group_size, bits=like.bits)
-            c.keys, c.values = _quantized_rows(joined, n, j, like)[:2]
+            c.keys, c.values = _quantized_rows(joined, n, j, like, lambda a, r: a[r:r + 1])[:2]
         c.offset = num_tokens
         out[i] = c
     return out
