@@ -91,6 +91,37 @@ def test_lone_request_moves_into_batch_without_changing_tokens(engines):
     assert others == refs
 
 
+@pytest.mark.parametrize("join_after", [1, 2])
+def test_request_joining_right_after_the_first_token_changes_nothing(tiny, join_after):
+    """The solo path hands out its first token before it queues the next step; a
+    request arriving in that gap moves the first one into the batch mid-way."""
+    from mlxserve.engine.runner import Runner
+    from mlxserve.engine.scheduler import Scheduler
+
+    loaded = tiny("qwen3-tiny")
+    prompts = dict(zip("ab", prompts_for(2)))
+
+    def run(order, join_after=0):
+        """Tokens per request: order[0] alone, order[1] added once order[0] has `join_after` tokens."""
+        runner = Runner(loaded.model, max_num_seqs=4, prefill_chunk_size=16, prefill_batch_size=4)
+        scheduler = Scheduler(runner, eos_token_ids=[], vocab_size=loaded.config["vocab_size"], max_num_seqs=4)
+        got = {name: [] for name in order}
+        later = list(order[1:])
+        scheduler.add(Request(prompts[order[0]], greedy(8), request_id=order[0]), 8)
+        while scheduler.has_work() or later:
+            if later and len(got[order[0]]) == join_after:
+                if join_after == 1:  # the gap: first token out, the next step not yet queued
+                    assert runner.solo is not None and runner.solo.unfed is not None
+                scheduler.add(Request(prompts[later[0]], greedy(8), request_id=later.pop()), 8)
+            for e in scheduler.step():
+                got[e.seq.request_id].append(e.token)
+        return got
+
+    alone = {**run("a"), **run("b")}
+    assert run("ab", join_after) == alone
+    assert all(len(t) == 8 for t in alone.values())
+
+
 def test_abort_frees_the_slot(tiny):
     engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig()).start()
     try:
