@@ -141,14 +141,20 @@ def test_full_and_partial_hits_match_uncached(tiny, shape):
     # A prompt that is an exact multiple of the block size: one token is left to prefill.
     p64 = prompt[:64]
     assert greedy(model, p64[63:], cache=hit(pc, model, p64, 63)) == greedy(model, p64)
-    # Partial hit: shares 40 tokens, so 2 blocks.
+    # Partial hit: shares 40 tokens, 2 whole blocks and the first 8 tokens of the third.
     other = prompt[:40] + prompt_of(30, 2)
-    assert greedy(model, other[32:], cache=hit(pc, model, other, 32)) == greedy(model, other)
+    assert greedy(model, other[40:], cache=hit(pc, model, other, 40)) == greedy(model, other)
     # The restored cache also feeds mlx-lm's BatchGenerator (BatchKVCache.merge).
-    assert batch_greedy(model, other[32:], hit(pc, model, other, 32)) == greedy(model, other)
+    assert batch_greedy(model, other[40:], hit(pc, model, other, 40)) == greedy(model, other)
+    # A finished sequence leaves its last, partial block too: a prompt continuing
+    # all 70 tokens hits all of them.
+    pc.store_from_cache(prefill(model, prompt, 32), prompt, 70, finished=True)
+    assert pc.stats()["blocks"] == 5 and pc.stats()["tokens"] == 70
+    longer = prompt + prompt_of(5, 3)
+    assert greedy(model, longer[70:], cache=hit(pc, model, longer, 70)) == greedy(model, longer)
 
     s = pc.stats()
-    assert s["hits"] == 4 and s["hit_tokens"] == 64 + 63 + 32 + 32
+    assert s["hits"] == 5 and s["hit_tokens"] == 64 + 63 + 40 + 40 + 70 and s["partial_hits"] == 3
     assert_no_refs(pc)
 
 
@@ -553,7 +559,10 @@ def test_miss_reasons_and_fingerprints(tiny):
     b = PrefixCache(pool, 16, "another model", model=model)
     prompt = prompt_of(40, 20)
     prefill(model, prompt, 40, lambda c, n: a.store_from_cache(c, prompt, n))
-    assert a.match(prompt[:10]).num_tokens == 0  # no full block
+    assert a.match(prompt_of(10, 30)).num_tokens == 0  # no full block, nothing cached continues it
+    short = a.match(prompt[:10])  # no full block, but the first cached block continues it
+    assert short.num_tokens == 9
+    a.release(short)
     assert b.match(prompt).num_tokens == 0  # different fingerprints never match
     assert a.match(prompt_of(40, 21)).num_tokens == 0
     assert a.stats()["misses"] == {

@@ -326,7 +326,7 @@ def run(args) -> int:
                              for r in stall]), ""]
     stats = turns["cached bytes"]
     pc, vc = stats["prefix_cache"], stats["vision_cache"]
-    kv_per_token = pc["bytes"] / max(1, pc["blocks"] * pc["block_size"])
+    kv_per_token = pc["bytes"] / max(1, pc["tokens"])
     image_tokens = on[0]["image_tokens"]
     entry = vc["bytes"] / max(1, vc["entries"]) + kv_per_token * image_tokens
     md += ["## Bytes per cached image\n",

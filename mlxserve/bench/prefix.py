@@ -144,7 +144,7 @@ def measure_block_sizes(loaded, args, rng, vocab) -> list[dict]:
         finally:
             engine.stop()
         rows.append({"block_size": bs, "prefix": n, "miss": min(misses), "hit": min(hits), "cached": cached,
-                     "blocks": stats["blocks"], "bytes_per_token": stats["bytes"] / max(1, stats["blocks"] * bs)})
+                     "blocks": stats["blocks"], "bytes_per_token": stats["bytes"] / max(1, stats["tokens"])})
     return rows
 
 

@@ -7,7 +7,9 @@ media whose placeholder tokens fall in it, and the model fingerprint
 name files of a disk tier that outlives the process: a collision there would
 silently serve another prompt's state.
 
-Only full blocks get keys; a prompt's partial tail is never shared.
+Full blocks get chained keys; a finished sequence's partial last block (its
+"tail") gets a key of its own kind (`tail_key`), which no prompt's full-block
+lookup can ever produce.
 """
 
 from __future__ import annotations
@@ -85,6 +87,18 @@ def hash_blocks(
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+def tail_key(parent: bytes | None, token_ids, *, fingerprint: str, extra=None) -> bytes:
+    """The key of a partial block: the tokens after a sequence's last full block (`parent`)."""
+    tokens = _tokens(token_ids)
+    fp = fingerprint.encode()
+    h = hashlib.sha256(_VERSION + b"tail\0" + struct.pack("<I", len(fp)) + fp)
+    h.update(_ROOT if parent is None else bytes(parent))
+    h.update(struct.pack("<I", len(tokens)))
+    h.update(tokens.tobytes())
+    h.update(_encode(tuple(extra) if extra else ()))
+    return h.digest()
 
 
 def content_key(token_ids, block_size: int, extra_keys=None) -> bytes | None:

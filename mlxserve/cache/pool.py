@@ -13,6 +13,10 @@ shorter, never broken).
 Blocks in use (ref count > 0) are never evicted; their ancestors are in use
 too, since a lookup acquires whole chains from the root.
 
+Each parent's cached children are indexed (newest first) with the tokens they
+hold, so a prompt that parts from a cached chain midway through a block can
+still use that block's first tokens.
+
 The LRU is a heap of (last use, key) over free leaves with lazy deletion: an
 entry is skipped when the block is gone, in use, has a child or was used
 again since it was pushed. A parent becomes a leaf when its last child goes,
@@ -42,6 +46,11 @@ class Block:
     children: int = 0  # cached children: a block with children is not evictable
     last_used: int = 0
     cached: bool = True  # False once out of the index (evicted, or reset while in use)
+    # What it holds, for matching a prompt against part of it: its token ids
+    # (a numpy array, fewer than a block's for a finished request's tail) and
+    # the extra keys (media) of those tokens. None if not given.
+    token_ids: Any = None
+    extra: Any = None
 
 
 class BlockPool:
@@ -51,6 +60,8 @@ class BlockPool:
         self.budget = int(budget_bytes)
         self._sizeof = sizeof
         self._blocks: dict[bytes, Block] = {}
+        # parent key (None: a prompt's first block) -> its cached children's keys, oldest first
+        self._children_of: dict[bytes | None, dict[bytes, None]] = {}
         self._heap: list[tuple[int, bytes]] = []
         self._clock = itertools.count(1)
         self.nbytes = 0  # every block's payload, in use or not, detached or not
@@ -130,7 +141,19 @@ class BlockPool:
 
     # ---- store ----
 
-    def store(self, key: bytes, parent: bytes | None, payload, *, num_tokens: int = 0, nbytes: int | None = None):
+    def children(self, parent: bytes | None, limit: int) -> list[Block]:
+        """The `limit` most recently stored or used cached children of `parent` (None: first blocks)."""
+        keys = self._children_of.get(parent, {})
+        return [self._blocks[k] for k in list(reversed(keys))[:limit]]
+
+    def touch_child(self, block: Block) -> None:
+        """Mark a child as just used: `children` lists it first."""
+        keys = self._children_of.get(block.parent)
+        if keys is not None and block.hash in keys:
+            keys[block.hash] = keys.pop(block.hash)
+
+    def store(self, key: bytes, parent: bytes | None, payload, *, num_tokens: int = 0, nbytes: int | None = None,
+              token_ids=None, extra=None):
         """Cache a block; returns it, or None when refused (the reason is counted).
 
         A no-op returning the cached block if `key` is present. Refused when
@@ -159,8 +182,10 @@ class BlockPool:
                 up.children -= 1
                 self._push(up)
             return self._refuse("no_room")
-        block = Block(key, parent, payload, nbytes, num_tokens, last_used=next(self._clock))
+        block = Block(key, parent, payload, nbytes, num_tokens, last_used=next(self._clock),
+                      token_ids=token_ids, extra=extra)
         self._blocks[key] = block
+        self._children_of.setdefault(parent, {})[key] = None
         self.nbytes += nbytes
         self._free_bytes += nbytes
         self._ghosts.pop(key, None)
@@ -234,6 +259,10 @@ class BlockPool:
         self._ghosts[block.hash] = None
         if len(self._ghosts) > self._max_ghosts:
             self._ghosts.popitem(last=False)
+        siblings = self._children_of[block.parent]
+        del siblings[block.hash]
+        if not siblings:
+            del self._children_of[block.parent]
         up = self._blocks.get(block.parent) if block.parent is not None else None
         if up is not None:
             up.children -= 1
@@ -252,6 +281,7 @@ class BlockPool:
             else:
                 self.nbytes -= block.nbytes
         self._blocks.clear()
+        self._children_of.clear()
         self._heap.clear()
         self._free_bytes = 0
         self._ghosts.clear()
@@ -271,6 +301,7 @@ class BlockPool:
     def stats(self) -> dict:
         return {
             "blocks": len(self._blocks),
+            "tokens": sum(b.num_tokens for b in self._blocks.values()),
             "bytes": self.nbytes,
             "budget": self.budget,
             "in_use_blocks": self._in_use,

@@ -5,6 +5,13 @@
     cache.release(match)                     # restore copied what it needed
     ... prefill prompt[match.num_tokens:] in chunks; after each chunk:
     cache.store_from_cache(caches, tokens_in_cache, len(tokens_in_cache), hashes=match.hashes)
+    ... and once more when the request ends, with finished=True (its partial last block too)
+
+A match takes whole blocks by their chained keys, then goes on token by
+token into the best cached continuation of the last one (a block that
+parts from the prompt midway, or a finished request's partial last block),
+so hits are exact to the token as in a radix tree, with vLLM-style hashed
+blocks underneath.
 
 Every entry point catches its own errors: a cache fault is counted (with
 its reason) and the request runs uncached, it never fails.
@@ -18,9 +25,10 @@ import re
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
-from mlxserve.cache.blocks import content_key, hash_blocks
+from mlxserve.cache.blocks import content_key, hash_blocks, tail_key
 from mlxserve.cache.layers import (
     extract_blocks,
     extract_blocks_from_batch,
@@ -45,6 +53,10 @@ log = logging.getLogger(__name__)
 # last token; unrestorable: blocks are cached but lack a layer's payload where a
 # restore would read it; unsupported: the model has cache layers blocks cannot hold.
 MISS_REASONS = ("no_match", "evicted", "model_mismatch", "too_short", "unrestorable", "unsupported")
+
+# Cached children of the last matched block compared token by token with the
+# rest of the prompt (the most recently stored or used ones).
+PARTIAL_CANDIDATES = 16
 
 
 @dataclass
@@ -71,6 +83,7 @@ class PrefixCache:
         self.hits = 0
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.partial_hits = 0  # hits that end inside a block (a cached block used in part, or a tail)
         self.misses = dict.fromkeys(MISS_REASONS, 0)
         self.faults: dict[str, int] = {}
 
@@ -119,23 +132,34 @@ class PrefixCache:
         hashes = hash_blocks(token_ids, bs, fingerprint=self.fingerprint, extra_keys=extra_keys)
         specs = self.specs
         usable = len(token_ids) - 1
-        has_state = specs is not None and "state" in spec_kinds(specs)
+        has_state = self._has_state(specs)
         if has_state:  # recurrent states exist at block ends only
             best = min(len(hashes), usable // bs) * bs
         else:  # attention layers restore at any token: the last block may be cut
             best = min(len(hashes) * bs, usable)
-        if best <= 0:
-            return self._miss("too_short", hashes)
-        blocks = self.pool.lookup(hashes[: -(-best // bs)])
+        blocks = self.pool.lookup(hashes[: -(-best // bs)]) if best > 0 else []
+        found = len(blocks)
         try:
             num = self._restorable(blocks, specs, best) if blocks else 0
+            keep = -(-num // bs)
+            self.pool.release(blocks[keep:])
+            blocks = blocks[:keep]
+            if not has_state and num == keep * bs and num < usable:
+                # Past the last whole block: the best cached continuation, token by token.
+                extra = extra_keys[keep] if extra_keys and keep < len(extra_keys) else None
+                child, n = self._partial_child(hashes[keep - 1] if keep else None, token_ids[num:usable], extra)
+                if child is not None and self._restorable(blocks + [child], specs, num + n) == num + n:
+                    blocks += self.pool.lookup([child.hash])
+                    self.pool.touch_child(child)
+                    num += n
+                    self.partial_hits += 1
         except Exception:
             self.pool.release(blocks)
             raise
-        keep = -(-num // bs)
-        self.pool.release(blocks[keep:])
         if num == 0:
-            if blocks:
+            if best <= 0:
+                return self._miss("too_short", hashes)
+            if found:
                 return self._miss("unrestorable", hashes)
             if self.pool.was_evicted(hashes[0]):
                 return self._miss("evicted", hashes)
@@ -145,7 +169,36 @@ class PrefixCache:
             return self._miss("no_match", hashes)
         self.hits += 1
         self.hit_tokens += num
-        return PrefixMatch(blocks[:keep], num, hashes)
+        return PrefixMatch(blocks, num, hashes)
+
+    @staticmethod
+    def _has_state(specs) -> bool:
+        return specs is not None and "state" in spec_kinds(specs)
+
+    def _keyed_here(self, block, parent) -> bool:
+        """Whether `block`'s key is what this cache (fingerprint) gives its tokens under `parent`.
+
+        Blocks of every model share the pool, and first blocks share one parent (none).
+        """
+        tokens, bs = block.token_ids, self.block_size
+        if len(tokens) == bs:
+            key = hash_blocks(tokens, bs, fingerprint=self.fingerprint, extra_keys=[block.extra], parent=parent)[0]
+        else:
+            key = tail_key(parent, tokens, fingerprint=self.fingerprint, extra=block.extra)
+        return key == block.hash
+
+    def _partial_child(self, parent, rest, extra):
+        """(block, n): the cached child of `parent` whose first n >= 1 tokens (and the
+        media among them) are the first n of `rest`, n as large as possible; (None, 0) if none."""
+        rest = np.asarray(rest[: self.block_size], dtype=np.int32)
+        best, best_n = None, 0
+        for child in self.pool.children(parent, PARTIAL_CANDIDATES):
+            if child.token_ids is None or not self._keyed_here(child, parent):
+                continue
+            n = _media_limit(child.extra, extra, _common_prefix(child.token_ids, rest))
+            if n > best_n:
+                best, best_n = child, n
+        return best, best_n
 
     def _miss(self, reason: str, hashes) -> PrefixMatch:
         self.misses[reason] += 1
@@ -210,14 +263,17 @@ class PrefixCache:
 
     # ---- store ----
 
-    def store_from_cache(self, cache_layers, token_ids, upto_tokens: int, extra_keys=None, *, hashes=None) -> int:
+    def store_from_cache(self, cache_layers, token_ids, upto_tokens: int, extra_keys=None, *, hashes=None,
+                         finished: bool = False) -> int:
         """Store every full block of `token_ids[:upto_tokens]` not stored yet, from a single-sequence cache.
 
-        `upto_tokens` is how many tokens the cache holds. Returns how many
-        blocks were stored or completed.
+        `upto_tokens` is how many tokens the cache holds. With `finished` (the
+        sequence is done), the tokens after its last full block are stored too,
+        as a tail that the next turn of a conversation can continue from.
+        Returns how many blocks were stored or completed.
         """
         try:
-            return self._store(cache_layers, None, token_ids, upto_tokens, extra_keys, hashes)
+            return self._store(cache_layers, None, token_ids, upto_tokens, extra_keys, hashes, finished)
         except Exception as e:  # noqa: BLE001
             self._fault("store", e)
             return 0
@@ -245,10 +301,11 @@ class PrefixCache:
             )
         return have
 
-    def _store(self, layers, row, token_ids, upto_tokens, extra_keys, hashes) -> int:
+    def _store(self, layers, row, token_ids, upto_tokens, extra_keys, hashes, finished=False) -> int:
         bs = self.block_size
-        n_full = min(upto_tokens, len(token_ids)) // bs
-        if n_full == 0 or self.disabled:
+        upto = min(upto_tokens, len(token_ids))
+        n_full = upto // bs
+        if self.disabled or (n_full == 0 and not finished):
             return 0
         specs = layer_specs(layers)
         if None in specs:
@@ -256,21 +313,29 @@ class PrefixCache:
             return 0
         self._check_specs(specs)
         hashes = self._hashes(token_ids, n_full, extra_keys, hashes)
+        leaf_specs = flat_specs(specs)
 
-        def extract(start, n, only=None):
+        def extract(start, n, only=None, size=bs):
             if row is None:
-                payloads = extract_blocks(layers, start, bs, n, num_tokens=upto_tokens, layers=only)
+                payloads = extract_blocks(layers, start, size, n, num_tokens=upto_tokens, layers=only)
             else:
-                payloads = extract_blocks_from_batch(layers, row, start, bs, n, num_tokens=upto_tokens, layers=only)
+                payloads = extract_blocks_from_batch(layers, row, start, size, n, num_tokens=upto_tokens, layers=only)
             mx.eval([a for p in payloads for a in payload_arrays(p)])
+            for j, payload in enumerate(payloads):
+                for spec, e in zip(leaf_specs, flat_entries(payload, specs)):
+                    if only is None and spec[0] == "full" and e is None:
+                        end = start + (j + 1) * size
+                        raise ValueError(f"the cache does not hold tokens {end - size}-{end}")
             return payloads
+
+        def extra_of(j):
+            return extra_keys[j] if extra_keys and j < len(extra_keys) else None
 
         # Blocks that may still get a missing payload from this cache: the
         # block ending where the cache ends (recurrent state) and those whose
         # tokens every sliding-window layer still holds.
         has_window = "window" in spec_kinds(specs)
         fill_from = -(-oldest_window_token(layers, row) // bs) if has_window else n_full - 1
-        leaf_specs = flat_specs(specs)
         pool = self.pool
         done = 0
         k = 0
@@ -285,16 +350,30 @@ class PrefixCache:
             while end < n_full and hashes[end] not in pool:
                 end += 1
             for j, payload in enumerate(extract(k * bs, end - k), start=k):
-                for spec, e in zip(leaf_specs, flat_entries(payload, specs)):
-                    if spec[0] == "full" and e is None:
-                        raise ValueError(f"the cache does not hold block {j} (tokens {j * bs}-{(j + 1) * bs})")
-                if pool.store(hashes[j], hashes[j - 1] if j else None, payload, num_tokens=bs) is None:
+                tokens = np.asarray(token_ids[j * bs : (j + 1) * bs], dtype=np.int32)
+                if pool.store(hashes[j], hashes[j - 1] if j else None, payload, num_tokens=bs,
+                              token_ids=tokens, extra=extra_of(j)) is None:
                     return done  # later blocks would be unreachable orphans
                 if j == 0:
                     pool.note_root(content_key(token_ids, bs, extra_keys), self.fingerprint)
                 done += 1
             k = end
+        if finished and upto > n_full * bs and not self._has_state(specs):
+            done += self._store_tail(hashes[n_full - 1] if n_full else None, token_ids[n_full * bs : upto],
+                                     extra_of(n_full), lambda: extract(n_full * bs, 1, size=upto - n_full * bs)[0])
         return done
+
+    def _store_tail(self, parent, tokens, block_extra, extract) -> int:
+        """Store a finished sequence's last, partial block under its last full block."""
+        if parent is not None and parent not in self.pool:
+            return 0
+        extra = tuple(e for e in block_extra or () if e[1] < len(tokens)) or None  # media in the tail
+        key = tail_key(parent, tokens, fingerprint=self.fingerprint, extra=extra)
+        if key in self.pool:
+            return 0
+        stored = self.pool.store(key, parent, extract(), num_tokens=len(tokens),
+                                 token_ids=np.asarray(tokens, dtype=np.int32), extra=extra)
+        return int(stored is not None)
 
     def _fill(self, block, specs, k, upto_tokens, extract) -> int:
         """Extract the layers a cached block lacks, where this cache can give them."""
@@ -321,11 +400,29 @@ class PrefixCache:
             queried_tokens=self.queried_tokens,
             hit_tokens=self.hit_tokens,
             hit_rate=self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,
+            partial_hits=self.partial_hits,
             misses=dict(self.misses),
             faults=dict(self.faults),
             disabled=self.disabled,
         )
         return s
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def _media_limit(a, b, n: int) -> int:
+    """The longest m <= n such that the media (extra keys: (hash, offset) pairs) in the
+    first m tokens of two blocks are the same: equal placeholder tokens stand for equal
+    pixels only when the images are too."""
+    def starting_before(keys):
+        return {k for k in keys or () if k[1] < n}
+
+    differ = starting_before(a) ^ starting_before(b)
+    return min([n] + [max(0, k[1]) for k in differ])
 
 
 # ---- sizes ----

@@ -168,11 +168,13 @@ class SoloDecoder:
             self.in_cache.append(token)
         return _event(seq, token, seq.finish_reason(token), row)
 
-    def store_blocks(self) -> None:
-        """Hand every full block now in the cache to the prefix cache."""
+    def store_blocks(self, finished: bool = False) -> None:
+        """Hand every full block now in the cache to the prefix cache (and, when the
+        sequence is done, the partial block after them)."""
         if self.prefix_cache is not None:
             self.prefix_cache.store_from_cache(self.cache, self.in_cache, len(self.in_cache),
-                                               self.seq.extra_keys, hashes=self.seq.block_hashes)
+                                               self.seq.extra_keys, hashes=self.seq.block_hashes,
+                                               finished=finished)
 
     def handover(self) -> tuple[TokenEvent | None, list[int], list[int]]:
         """Stop solo decoding at a token boundary.
@@ -317,7 +319,7 @@ class Runner:
             if event is None:
                 return events
             if event.finish_reason:
-                self.solo.store_blocks()  # generated tokens' full blocks too
+                self.solo.store_blocks(finished=True)  # generated tokens too
                 self.solo = None
             return events + [event]
         if not self.batch:
@@ -361,7 +363,7 @@ class Runner:
                 elif self.prefix_cache is not None and r.prompt_cache is not None:
                     # The finished row's cache holds prompt + output: keep its full blocks.
                     self.prefix_cache.store_from_cache(r.prompt_cache, r.all_tokens, len(r.all_tokens),
-                                                       seq.extra_keys, hashes=seq.block_hashes)
+                                                       seq.extra_keys, hashes=seq.block_hashes, finished=True)
             events.append(_event(seq, r.token, finish, r.logprobs))
         return events
 
