@@ -144,7 +144,7 @@ class BlockPool:
     def children(self, parent: bytes | None, limit: int) -> list[Block]:
         """The `limit` most recently stored or used cached children of `parent` (None: first blocks)."""
         keys = self._children_of.get(parent, {})
-        return [self._blocks[k] for k in list(reversed(keys))[:limit]]
+        return [self._blocks[k] for k in itertools.islice(reversed(keys), limit)]
 
     def touch_child(self, block: Block) -> None:
         """Mark a child as just used: `children` lists it first."""
