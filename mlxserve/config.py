@@ -72,7 +72,7 @@ class EngineConfig:
     )
     block_size: int | None = setting(
         None,
-        "Tokens per prefix-cache block; only full blocks are shared. Default: 32 on the CPU "
+        "Tokens per prefix-cache block, the unit of storage (hits are exact to the token). Default: 32 on the CPU "
         "backend, 256 on a GPU, where storing a block costs kernel launches per layer, so "
         "small blocks slow down misses (see benchmarks/prefix-*).",
     )

@@ -4,8 +4,8 @@
     python docs/examples/openai_image.py [IMAGE]          # default: a generated picture
 
 The second question reuses the image's embeddings (GET /v1/cache/stats shows
-the vision-cache hit) and the prompt's full KV blocks (`cached_tokens` in the
-usage counts whole blocks: 32 tokens on the CPU, 256 on a GPU).
+the vision-cache hit) and the KV of the first turn's prompt and answer
+(`cached_tokens` in the usage counts them, to the token).
 
     MLXSERVE_BASE_URL  the server's /v1 URL (default http://127.0.0.1:8000/v1)
     MLXSERVE_API_KEY   the key, if the server runs with --api-key
