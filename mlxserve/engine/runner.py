@@ -361,7 +361,7 @@ class Runner:
                 if not r.finish_reason:
                     self.generator.remove([r.uid])
                 elif self.prefix_cache is not None and r.prompt_cache is not None:
-                    # The finished row's cache holds prompt + output: keep its full blocks.
+                    # The finished row's cache holds prompt + output: keep its blocks, the last partial one too.
                     self.prefix_cache.store_from_cache(r.prompt_cache, r.all_tokens, len(r.all_tokens),
                                                        seq.extra_keys, hashes=seq.block_hashes, finished=True)
             events.append(_event(seq, r.token, finish, r.logprobs))
