@@ -162,8 +162,8 @@ def multi_turn(bench: Bench, args) -> dict:
         finally:
             engine.stop()
     for row in out["cached"]:
-        row["floor"] = row["suffix_alone"] + context_cost(bench.loaded.model, row["cached"], row["prompt"] - row["cached"],
-                                                          args.kv_bits)
+        new_tokens = row["prompt"] - row["cached"]
+        row["floor"] = row["suffix_alone"] + context_cost(bench.loaded.model, row["cached"], new_tokens, args.kv_bits)
     return out
 
 
