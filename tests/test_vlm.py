@@ -145,6 +145,27 @@ def test_different_images_never_share_blocks(tiny):
     assert again > ra.images[0].start + ra.images[0].num_tokens - 8
 
 
+def test_rope_delta_depends_on_the_image_grids_alone(tiny):
+    """A turn whose image tokens are all cached takes its M-RoPE delta from a memo keyed
+    by the image grids: it must be what a full pass gives, whatever text is around."""
+    loaded = tiny("qwen2.5-vl-tiny")
+    vision = loaded.vision
+    one = chat_request(loaded, [("user", [picture(1), "Describe it."])])
+    other = chat_request(loaded, [("user", ["Some words first. " * 6, picture(2), "Then a question?"]),
+                                  ("assistant", ["An answer."]), ("user", ["And more."])])
+    two = chat_request(loaded, [("user", [picture(3), "and", picture(4, size=(60, 200))])])
+    pixels = {name: [im.pixels for im in r.images] for name, r in (("one", one), ("other", other), ("two", two))}
+    full = {name: vision.positions(r.prompt_token_ids, pixels[name])[1]
+            for name, r in (("one", one), ("other", other), ("two", two))}
+    assert full["one"] == full["other"] != 0 and full["two"] != full["one"]
+    vision._deltas.clear()
+    vision.positions(one.prompt_token_ids, pixels["one"])
+    with pytest.MonkeyPatch.context() as mp:  # from the memo: no pass over the prompt
+        mp.setattr(vision, "positions", lambda *a: pytest.fail("positions recomputed"))
+        assert vision.rope_delta(other.prompt_token_ids, pixels["other"]) == full["other"]
+    assert vision.rope_delta(two.prompt_token_ids, pixels["two"]) == full["two"]  # other grids: computed
+
+
 def test_qwen_vision_tower_survives_window_aligned_images(tiny):
     # mlx-vlm's Qwen2.5-VL tower leaves repeated window bounds (empty windows)
     # for image sides that are multiples of 112 px; on MLX-CUDA that killed

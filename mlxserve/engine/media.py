@@ -35,9 +35,9 @@ class MediaPrefill:
         self.prompt = list(seq.request.prompt_token_ids)
         self.cache = cache  # the runner makes it (make_cache: quantized with --kv-bits) or restores it
         self.done = seq.cached_tokens  # prompt tokens in the cache
-        images_end = max(im.start + im.num_tokens for im in seq.request.images)
+        self.images_end = max(im.start + im.num_tokens for im in seq.request.images)
         # Text after the last image goes the text path (positions = offset + delta there).
-        self.end = max(self.done, min(images_end, len(self.prompt) - 1))
+        self.end = max(self.done, min(self.images_end, len(self.prompt) - 1))
         self.features: dict[int, mx.array] = {}  # image index -> its embeddings
         self.positions = None
         self.delta = 0
@@ -90,9 +90,15 @@ class MediaPrefill:
             self.encoding[1].close()
             self.encoding = None
 
-    def _ensure_positions(self) -> None:
-        if self.positions is None and self.vision.text_model.mrope:
-            images = [im.pixels for im in self.seq.request.images]
+    def _ensure_positions(self, full: bool = True) -> None:
+        """M-RoPE positions of the whole prompt and the delta of the text after the images;
+        without `full`, the delta alone when every image token is in the cache already."""
+        if self.positions is not None or not self.vision.text_model.mrope:
+            return
+        images = [im.pixels for im in self.seq.request.images]
+        if not full and self.done >= self.images_end:
+            self.delta = self.vision.rope_delta(self.prompt, images)
+        else:
             self.positions, self.delta = self.vision.positions(self.prompt, images)
 
     def images_ready(self) -> bool:
@@ -102,7 +108,7 @@ class MediaPrefill:
     def step(self) -> None:
         """One unit of work: encode one image or prefill one chunk."""
         with mx.stream(generation_stream):
-            self._ensure_positions()
+            self._ensure_positions(full=False)
             start, end = self.done, min(self.done + self.chunk_size, self.end)
             missing = [i for i in self._needed(start, end) if i not in self.features]
             if missing:
@@ -121,7 +127,7 @@ class MediaPrefill:
     def handover_cache(self):
         """The cache, with the rope delta set, for the path that takes the sequence over."""
         with mx.stream(generation_stream):
-            self._ensure_positions()
+            self._ensure_positions(full=False)
         if self.vision.text_model.mrope:
             self.cache[-1].set(self.delta)
         return self.cache

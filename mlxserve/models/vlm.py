@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,6 +196,10 @@ class VisionAdapter:
         """Rotary positions of a whole prompt, or None if plain (offset-based) positions are right."""
         return None, 0
 
+    def rope_delta(self, token_ids, images) -> int:
+        """What `positions` gives as the delta, for a prompt whose image tokens need no positions."""
+        return self.positions(token_ids, images)[1]
+
 
 class QwenVL(VisionAdapter):
     """Qwen2-VL / Qwen2.5-VL: dynamic resolution, 2x2 patch merge, M-RoPE."""
@@ -223,6 +228,7 @@ class QwenVL(VisionAdapter):
             image_std=pc.get("image_std"),
         )
         _guard_window_index(model.vision_tower)
+        self._deltas: OrderedDict[tuple, int] = OrderedDict()  # image grids -> M-RoPE delta
         from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLVideoProcessor
 
         self.video_token_id = config.get("video_token_id", 151656)
@@ -298,7 +304,27 @@ class QwenVL(VisionAdapter):
         pos, delta = self.model.language_model.get_rope_index(
             mx.array([token_ids]), mx.array(image_grids) if image_grids else None,
             mx.array(list(video_grids.values())) if video_grids else None, None)
-        return pos, int(delta.reshape(-1)[0].item())
+        delta = int(delta.reshape(-1)[0].item())
+        self._deltas[self._grids(images)] = delta
+        while len(self._deltas) > 1024:
+            self._deltas.popitem(last=False)
+        return pos, delta
+
+    @staticmethod
+    def _grids(images) -> tuple:
+        return tuple((tuple(im.grid_thw), im.video) for im in images)
+
+    def rope_delta(self, token_ids, images) -> int:
+        # Each image shifts the positions of the text after it by the positions it
+        # spans minus the tokens it takes, both set by its grid, wherever it sits:
+        # the delta is a function of the grids alone. A later turn about the same
+        # images (their tokens all cached) reuses it, skipping get_rope_index's
+        # pass over the whole prompt (2-3 ms on a GPU).
+        delta = self._deltas.get(self._grids(images))
+        if delta is None:
+            return self.positions(token_ids, images)[1]
+        self._deltas.move_to_end(self._grids(images))
+        return delta
 
 
 def _guard_window_index(tower) -> None:
