@@ -271,6 +271,15 @@ def _take(x: mx.array, rows: slice, runs, view: bool = False) -> mx.array:
     return mx.concatenate(parts, axis=2)
 
 
+def _take_kv(c, rows: slice, runs):
+    """The KV (QuantizedKV for a quantized cache) of token `runs` in `rows` of an attention cache."""
+    view = _stackable(c)  # copied by _stacked
+    if isinstance(c, (QuantizedKVCache, BatchQuantizedKVCache)):  # keys, values: (packed, scales, biases)
+        return QuantizedKV(tuple(_take(a, rows, runs, view) for a in c.keys),
+                           tuple(_take(a, rows, runs, view) for a in c.values), c.group_size, c.bits)
+    return KV(_take(c.keys, rows, runs, view), _take(c.values, rows, runs, view))
+
+
 def _stackable(c) -> bool:
     return type(c) in (KVCache, BatchKVCache, QuantizedKVCache, BatchableQuantizedKVCache, BatchQuantizedKVCache)
 
@@ -371,25 +380,13 @@ def _offsets(cache_layers) -> list[int]:
 def _extract_single(c, start, end, state_here):
     if isinstance(c, PositionState):
         return None
-    if isinstance(c, (KVCache, RotatingKVCache)):
+    if isinstance(c, (KVCache, RotatingKVCache, QuantizedKVCache)):
         if c.keys is None or end > c.offset:
             return None
-        runs = [(start, end)] if isinstance(c, KVCache) else _rotating_runs(c, start, end)
+        runs = _rotating_runs(c, start, end) if isinstance(c, RotatingKVCache) else [(start, end)]
         if runs is None:
             return None
-        view = _stackable(c)  # copied by _stacked
-        return KV(_take(c.keys, slice(0, 1), runs, view), _take(c.values, slice(0, 1), runs, view))
-    if isinstance(c, QuantizedKVCache):
-        if c.keys is None or end > c.offset:
-            return None
-        runs = [(start, end)]
-        view = _stackable(c)  # copied by _stacked
-        return QuantizedKV(
-            tuple(_take(a, slice(0, 1), runs, view) for a in c.keys),
-            tuple(_take(a, slice(0, 1), runs, view) for a in c.values),
-            c.group_size,
-            c.bits,
-        )
+        return _take_kv(c, slice(0, 1), runs)
     if isinstance(c, ArraysCache):
         if not state_here or c.cache[0] is None:
             return None
@@ -489,12 +486,7 @@ def _extract_row(c, row, start, end, state_here, seen):
         runs = _batch_runs(c, seen[id(c)], start, end)
         if runs is None:
             return None
-        rows = slice(row, row + 1)
-        view = _stackable(c)  # copied by _stacked
-        if isinstance(c, BatchQuantizedKVCache):
-            return QuantizedKV(tuple(_take(a, rows, runs, view) for a in c.keys),
-                               tuple(_take(a, rows, runs, view) for a in c.values), c.group_size, c.bits)
-        return KV(_take(c.keys, rows, runs, view), _take(c.values, rows, runs, view))
+        return _take_kv(c, slice(row, row + 1), runs)
     if isinstance(c, PositionState):
         return None
     if isinstance(c, ArraysCache):

@@ -146,8 +146,8 @@ class PrefixCache:
             blocks = blocks[:keep]
             if not has_state and num == keep * bs and num < usable:
                 # Past the last whole block: the best cached continuation, token by token.
-                extra = extra_keys[keep] if extra_keys and keep < len(extra_keys) else None
-                child, n = self._partial_child(hashes[keep - 1] if keep else None, token_ids[num:usable], extra)
+                child, n = self._partial_child(hashes[keep - 1] if keep else None, token_ids[num:usable],
+                                               _extra_at(extra_keys, keep))
                 if child is not None and self._restorable(blocks + [child], specs, num + n) == num + n:
                     blocks += self.pool.lookup([child.hash])
                     self.pool.touch_child(child)
@@ -175,16 +175,17 @@ class PrefixCache:
     def _has_state(specs) -> bool:
         return specs is not None and "state" in spec_kinds(specs)
 
-    def _keyed_here(self, block, parent) -> bool:
-        """Whether `block`'s key is what this cache (fingerprint) gives its tokens under `parent`.
+    def _keyed_here(self, block) -> bool:
+        """Whether a first block's key is what this cache (fingerprint) gives its tokens.
 
-        Blocks of every model share the pool, and first blocks share one parent (none).
+        Blocks of every model share the pool, and first blocks share one parent
+        (none); a later block's parent key already commits to the fingerprint.
         """
         tokens, bs = block.token_ids, self.block_size
         if len(tokens) == bs:
-            key = hash_blocks(tokens, bs, fingerprint=self.fingerprint, extra_keys=[block.extra], parent=parent)[0]
+            key = hash_blocks(tokens, bs, fingerprint=self.fingerprint, extra_keys=[block.extra])[0]
         else:
-            key = tail_key(parent, tokens, fingerprint=self.fingerprint, extra=block.extra)
+            key = tail_key(None, tokens, fingerprint=self.fingerprint, extra=block.extra)
         return key == block.hash
 
     def _partial_child(self, parent, rest, extra):
@@ -193,7 +194,7 @@ class PrefixCache:
         rest = np.asarray(rest[: self.block_size], dtype=np.int32)
         best, best_n = None, 0
         for child in self.pool.children(parent, PARTIAL_CANDIDATES):
-            if child.token_ids is None or not self._keyed_here(child, parent):
+            if child.token_ids is None or (parent is None and not self._keyed_here(child)):
                 continue
             n = _media_limit(child.extra, extra, _common_prefix(child.token_ids, rest))
             if n > best_n:
@@ -328,9 +329,6 @@ class PrefixCache:
                         raise ValueError(f"the cache does not hold tokens {end - size}-{end}")
             return payloads
 
-        def extra_of(j):
-            return extra_keys[j] if extra_keys and j < len(extra_keys) else None
-
         # Blocks that may still get a missing payload from this cache: the
         # block ending where the cache ends (recurrent state) and those whose
         # tokens every sliding-window layer still holds.
@@ -352,15 +350,16 @@ class PrefixCache:
             for j, payload in enumerate(extract(k * bs, end - k), start=k):
                 tokens = np.asarray(token_ids[j * bs : (j + 1) * bs], dtype=np.int32)
                 if pool.store(hashes[j], hashes[j - 1] if j else None, payload, num_tokens=bs,
-                              token_ids=tokens, extra=extra_of(j)) is None:
+                              token_ids=tokens, extra=_extra_at(extra_keys, j)) is None:
                     return done  # later blocks would be unreachable orphans
                 if j == 0:
                     pool.note_root(content_key(token_ids, bs, extra_keys), self.fingerprint)
                 done += 1
             k = end
         if finished and upto > n_full * bs and not self._has_state(specs):
+            tail = upto - n_full * bs
             done += self._store_tail(hashes[n_full - 1] if n_full else None, token_ids[n_full * bs : upto],
-                                     extra_of(n_full), lambda: extract(n_full * bs, 1, size=upto - n_full * bs)[0])
+                                     _extra_at(extra_keys, n_full), lambda: extract(n_full * bs, 1, size=tail)[0])
         return done
 
     def _store_tail(self, parent, tokens, block_extra, extract) -> int:
@@ -406,6 +405,11 @@ class PrefixCache:
             disabled=self.disabled,
         )
         return s
+
+
+def _extra_at(extra_keys, j: int):
+    """Block j's extra keys (its media), or None."""
+    return extra_keys[j] if extra_keys and j < len(extra_keys) else None
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
