@@ -83,6 +83,14 @@ class EngineConfig:
         "batch and in prefix-cache blocks. Sliding-window and recurrent layers stay unquantized.",
         choices=(4, 8),
     )
+    kv_attention: str = setting(
+        "auto",
+        "How attention reads --kv-bits KV: quantized (mlx's quantized matmuls on the packed "
+        "values) or dequantized (each layer dequantizes its KV, then runs ordinary attention). "
+        "auto: quantized on Metal, dequantized elsewhere (MLX-CUDA has no quantized matmul for "
+        "decoding, and on the CPU it is slower than BLAS).",
+        choices=("auto", "quantized", "dequantized"),
+    )
     vision_cache_memory: str = setting(
         "512MB",
         "Byte budget of the vision-embedding cache (images' projected embeddings, by pixel "

@@ -82,8 +82,9 @@ def quantizable_vlm(tmp_path_factory):
     return load(str(folder), load_format="dummy", progress=False)
 
 
-def test_image_caches_never_change_tokens_with_quantized_kv(quantizable_vlm):
-    check_image_caches_never_change_tokens(quantizable_vlm, kv_bits=8)
+@pytest.mark.parametrize("attention", ["quantized", "dequantized"])
+def test_image_caches_never_change_tokens_with_quantized_kv(quantizable_vlm, attention):
+    check_image_caches_never_change_tokens(quantizable_vlm, kv_bits=8, kv_attention=attention)
 
 
 def check_image_caches_never_change_tokens(loaded, **engine_settings):

@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--single-len", type=int, default=128, help="Tokens for the single-stream comparison.")
     p.add_argument("--prefill-len", type=int, default=512, help="Prompt tokens for the prefill measurement.")
     p.add_argument("--dtype", default=None, help="Weight dtype (default: per backend).")
+    p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
+                   help="Quantized KV in the engine's runs (generate_step and BatchGenerator stay unquantized).")
     p.add_argument("--out-dir", default="benchmarks")
     p.add_argument("--replot", metavar="JSON", help="Only redraw the PNG of an earlier result.")
     p.set_defaults(func=lambda a: replot(a.replot) if a.replot else run(a))
@@ -141,7 +143,7 @@ def bench_model(spec: dict, args, concurrency: list[int]) -> dict:
     def engine(solo: bool) -> AsyncEngine:
         # No prefix cache: repeated prompts would hit it, and this measures the engine.
         return AsyncEngine(loaded, EngineConfig(max_num_seqs=max_c, solo_fast_path=solo,
-                                                prefix_cache=False)).start()
+                                                prefix_cache=False, kv_bits=args.kv_bits)).start()
 
     solo_engine, batch_engine = engine(True), engine(False)
     try:
@@ -192,6 +194,9 @@ def run(args) -> int:
     md = [report.header("Engine benchmark", info, command), ""]
     md.append(f"Prompt {args.prompt_len} tokens, output {args.output_len} tokens per request "
               f"(EOS ignored); single stream {args.single_len} tokens; prefill {args.prefill_len} tokens.\n")
+    if args.kv_bits:
+        md.append(f"The engine's runs use {report.kv_label(args.kv_bits)}; generate_step and the bare "
+                  "BatchGenerator run unquantized.\n")
     for r in results:
         gs = r["single"]["generate_step"]
         md.append(f"## {r['label']} ({r['name']})\n")

@@ -298,7 +298,7 @@ def run(args) -> int:
 
     ms = 1e3
     off, on = turns["no cache"], turns["cached"]
-    kv = f"{args.kv_bits}-bit KV" if args.kv_bits else "unquantized KV"
+    kv = report.kv_label(args.kv_bits)
     md = [report.header("Multimodal cache benchmark", info, "mlxserve bench multimodal " + " ".join(sys.argv[3:])),
           f"Model: {spec['label']} ({loaded.name}); {kv}; block size {args.block_size or default_block_size()}; "
           f"{args.answer_len} output tokens per turn; synthetic {args.size}x{args.size} image "

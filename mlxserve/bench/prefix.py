@@ -202,7 +202,7 @@ def run(args) -> int:
 
     command = "mlxserve bench prefix " + " ".join(sys.argv[3:])
     md = [report.header("Prefix cache benchmark", info, command),
-          f"Model: {spec['label']} ({loaded.name}), {f'{args.kv_bits}-bit' if args.kv_bits else 'unquantized'} KV. "
+          f"Model: {spec['label']} ({loaded.name}), {report.kv_label(args.kv_bits)}. "
           f"Time to first token (TTFT) in ms, best of "
           f"{args.repeats}; each prompt is a shared prefix plus {args.suffix_len} new tokens; "
           f"block size {args.block_size or default_block_size()}.\n"]

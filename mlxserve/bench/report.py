@@ -59,6 +59,15 @@ def machine() -> dict:
     return info
 
 
+def kv_label(kv_bits: int | None) -> str:
+    """How the engine holds KV in a run, for a report's model line."""
+    if not kv_bits:
+        return "unquantized KV"
+    from mlxserve.cache.quantized import dequantized_attention
+
+    return f"{kv_bits}-bit KV ({'dequantized' if dequantized_attention() else 'quantized'} attention)"
+
+
 def table(headers: list[str], rows: list[list]) -> str:
     def fmt(v):
         return f"{v:,.1f}" if isinstance(v, float) else str(v)

@@ -276,7 +276,8 @@ def _take_kv(c, rows: slice, runs):
     view = _stackable(c)  # copied by _stacked
     if isinstance(c, (QuantizedKVCache, BatchQuantizedKVCache)):  # keys, values: (packed, scales, biases)
         return QuantizedKV(tuple(_take(a, rows, runs, view) for a in c.keys),
-                           tuple(_take(a, rows, runs, view) for a in c.values), c.group_size, c.bits)
+                           tuple(_take(a, rows, runs, view) for a in c.values), c.group_size,
+                           getattr(c, "kv_bits", None) or c.bits)  # ours hide `bits` when dequantizing
     return KV(_take(c.keys, rows, runs, view), _take(c.values, rows, runs, view))
 
 

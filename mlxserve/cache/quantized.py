@@ -3,12 +3,20 @@
 mlx-lm 0.32 has `QuantizedKVCache` for one sequence but no batched
 counterpart: `BatchGenerator` merges each layer's cache with `merge`, and
 the quantized class has none. `BatchQuantizedKVCache` is `BatchKVCache`
-with every key and value stored as mlx's (packed, scales, biases) triple;
-mlx-lm's attention sees its `bits` and runs its quantized attention.
+with every key and value stored as mlx's (packed, scales, biases) triple.
 
 Every token's K and V are quantized on arrival (no full-precision start), so
 a run's cache holds the same values however the prompt was chunked, batched
 or restored from blocks: quantized runs give the same tokens cached or not.
+
+Attention runs one of two ways over those values:
+- quantized: mlx-lm's (and mlx-vlm's) quantized attention, chosen by the
+  cache's `bits`: quantized matmuls read the packed KV. Metal runs them well.
+- dequantized: the cache hands attention `mx.dequantize` of its KV and hides
+  `bits`, so the model runs its ordinary fused attention. MLX-CUDA 0.32 has no
+  quantized matmul for one- or two-token inputs, and on the CPU they are 2-3x
+  slower than BLAS on the dequantized values; the cost is one dequantize per
+  layer and step, over the whole cache.
 """
 
 from __future__ import annotations
@@ -18,10 +26,75 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll, make_prompt
 from mlx_lm.models.cache import QuantizedKVCache as _MlxQuantizedKVCache
 
 KV_BITS = (4, 8)
+KV_ATTENTION = ("auto", "quantized", "dequantized")
 
 
-class QuantizedKVCache(_MlxQuantizedKVCache):
-    """mlx-lm's single-sequence quantized cache, batchable."""
+def dequantized_attention(mode: str = "auto") -> bool:
+    """Whether attention should read dequantized KV (see the module doc); "auto": everywhere but Metal."""
+    if mode not in KV_ATTENTION:
+        raise ValueError(f"kv attention must be one of {KV_ATTENTION}, not {mode!r}")
+    if mode == "auto":
+        return not (mx.default_device() == mx.gpu and mx.metal.is_available())
+    return mode == "dequantized"
+
+
+class _QuantizedKV:
+    """What both quantized caches share: KV stored quantized, read as the attention mode wants."""
+
+    dequantize = False  # per cache; set by make_cache, restores and merges
+
+    # mlx-lm and mlx-vlm run quantized attention for any cache with a `bits`
+    # attribute (`hasattr(cache, "bits")`): a dequantizing cache must not have one.
+    @property
+    def bits(self):
+        if self.dequantize:
+            raise AttributeError("a dequantizing cache hides `bits` from mlx-lm's attention; see kv_bits")
+        return self.kv_bits
+
+    @bits.setter
+    def bits(self, value):
+        self.kv_bits = value
+
+    def _store(self, prev: int, keys, values) -> None:
+        """Quantize `keys` and `values` into slots [prev, prev + n), growing the cache by whole steps."""
+        batch, heads, n, k_dim = keys.shape
+        if self.keys is None or prev + n > self.keys[0].shape[2]:
+            shape = (batch, heads, (self.step + n - 1) // self.step * self.step)
+            new_k = _quantized_zeros(shape, k_dim, self.group_size, self.kv_bits, keys.dtype)
+            new_v = _quantized_zeros(shape, values.shape[3], self.group_size, self.kv_bits, keys.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys, self.values = (
+                    tuple(mx.concatenate([a[..., :prev, :], z], axis=2) for a, z in zip(old, new))
+                    for old, new in ((self.keys, new_k), (self.values, new_v))
+                )
+        for parts, x in ((self.keys, keys), (self.values, values)):
+            for a, q in zip(parts, mx.quantize(x, group_size=self.group_size, bits=self.kv_bits)):
+                a[..., prev : prev + n, :] = q
+
+    def _for_attention(self, keys, values):
+        if not self.dequantize:
+            return keys, values
+        return (mx.dequantize(*keys, group_size=self.group_size, bits=self.kv_bits),
+                mx.dequantize(*values, group_size=self.group_size, bits=self.kv_bits))
+
+
+class QuantizedKVCache(_QuantizedKV, _MlxQuantizedKVCache):
+    """mlx-lm's single-sequence quantized cache, batchable, with either attention."""
+
+    def update_and_fetch(self, keys, values):
+        self._store(self.offset, keys, values)
+        self.offset += keys.shape[2]
+        return self._for_attention(*self.keys_and_values())
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, self.group_size, self.kv_bits
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.offset, self.group_size, self.kv_bits = v
 
     def size(self):
         return self.offset
@@ -41,34 +114,20 @@ def _map(fn, parts):
     return tuple(fn(a) for a in parts)
 
 
-class BatchQuantizedKVCache(BatchKVCache):
+class BatchQuantizedKVCache(_QuantizedKV, BatchKVCache):
     """`BatchKVCache` (left-padded rows) holding quantized keys and values."""
 
-    def __init__(self, left_padding, group_size: int = 64, bits: int = 8):
+    def __init__(self, left_padding, group_size: int = 64, bits: int = 8, dequantize: bool = False):
         super().__init__(left_padding)
         self.group_size = group_size
-        self.bits = bits
+        self.kv_bits = bits
+        self.dequantize = dequantize
 
     def update_and_fetch(self, keys, values):
-        prev = self._idx
-        batch, heads, n, k_dim = keys.shape
-        if self.keys is None or prev + n > self.keys[0].shape[2]:
-            shape = (batch, heads, (self.step + n - 1) // self.step * self.step)
-            new_k = _quantized_zeros(shape, k_dim, self.group_size, self.bits, keys.dtype)
-            new_v = _quantized_zeros(shape, values.shape[3], self.group_size, self.bits, keys.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys, self.values = (
-                    tuple(mx.concatenate([a[..., :prev, :], z], axis=2) for a, z in zip(old, new))
-                    for old, new in ((self.keys, new_k), (self.values, new_v))
-                )
-        self.offset = self.offset + n
-        self._idx += n
-        for parts, x in ((self.keys, keys), (self.values, values)):
-            for a, q in zip(parts, mx.quantize(x, group_size=self.group_size, bits=self.bits)):
-                a[..., prev : self._idx, :] = q
-        return self.keys_and_values()
+        self._store(self._idx, keys, values)
+        self.offset = self.offset + keys.shape[2]
+        self._idx += keys.shape[2]
+        return self._for_attention(*self.keys_and_values())
 
     def keys_and_values(self):
         return (_map(lambda a: a[..., : self._idx, :], self.keys),
@@ -133,7 +192,8 @@ class BatchQuantizedKVCache(BatchKVCache):
 
     def extract(self, idx):
         pad = self.left_padding.tolist()[idx]
-        c = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        c = QuantizedKVCache(group_size=self.group_size, bits=self.kv_bits)
+        c.dequantize = self.dequantize
         c.keys = _map(lambda a: mx.contiguous(a[idx : idx + 1, :, pad : self._idx]), self.keys)
         c.values = _map(lambda a: mx.contiguous(a[idx : idx + 1, :, pad : self._idx]), self.values)
         c.offset = self._idx - pad
@@ -145,7 +205,8 @@ class BatchQuantizedKVCache(BatchKVCache):
         longest = max(lengths)
         like = next((c for c in caches if c.keys is not None), None)
         if like is None:
-            return cls([0] * len(caches), caches[0].group_size, caches[0].bits)
+            c = caches[0]
+            return cls([0] * len(caches), c.group_size, c.kv_bits, c.dequantize)
         padding = [longest - n for n in lengths]
 
         def merged(parts_of):
@@ -158,7 +219,7 @@ class BatchQuantizedKVCache(BatchKVCache):
                 out.append(rows)
             return tuple(out)
 
-        cache = cls(padding, like.group_size, like.bits)
+        cache = cls(padding, like.group_size, like.kv_bits, like.dequantize)
         cache.keys = merged(lambda c: c.keys)
         cache.values = merged(lambda c: c.values)
         cache.offset += longest
@@ -170,8 +231,9 @@ class BatchQuantizedKVCache(BatchKVCache):
         return 0 if self.keys is None else sum(a.nbytes for a in (*self.keys, *self.values))
 
 
-def make_cache(model, kv_bits: int | None = None, group_size: int = 64) -> list:
-    """The model's fresh prompt cache; with `kv_bits`, its full-attention layers quantized.
+def make_cache(model, kv_bits: int | None = None, group_size: int = 64, dequantize: bool | None = None) -> list:
+    """The model's fresh prompt cache; with `kv_bits`, its full-attention layers quantized,
+    attended to dequantized or not (default: `dequantized_attention()`).
 
     Sliding-window and recurrent layers stay as they are: mlx-lm has no
     quantized form of them.
@@ -181,21 +243,31 @@ def make_cache(model, kv_bits: int | None = None, group_size: int = 64) -> list:
         return cache
     if kv_bits not in KV_BITS:
         raise ValueError(f"kv_bits must be one of {KV_BITS}, not {kv_bits}")
-    return [QuantizedKVCache(group_size, kv_bits) if type(c) is KVCache else c for c in cache]
+    return set_dequantize([QuantizedKVCache(group_size, kv_bits) if type(c) is KVCache else c for c in cache],
+                          dequantized_attention() if dequantize is None else dequantize)
 
 
-def check_kv_bits(model, kv_bits: int, group_size: int = 64) -> None:
+def set_dequantize(cache: list, dequantize: bool) -> list:
+    """Set how the quantized layers of a prompt cache (made or restored) are attended to."""
+    for c in cache:
+        if isinstance(c, _QuantizedKV):
+            c.dequantize = dequantize
+    return cache
+
+
+def check_kv_bits(model, kv_bits: int, group_size: int = 64, dequantize: bool | None = None) -> None:
     """Raise a clear ValueError if MLX cannot run this model with quantized KV here.
 
     Short forward passes find both kinds of failure: heads not divisible into
     quantization groups, and backend gaps (MLX-CUDA 0.32 has no quantized
-    matmul for prompts of one or two tokens; Metal and CPU run them).
+    matmul for prompts of one or two tokens, so only dequantized attention runs there).
     """
     if not any(isinstance(c, QuantizedKVCache) for c in make_cache(model, kv_bits, group_size)):
         raise ValueError(f"--kv-bits {kv_bits}: this model has no full-attention KV cache to quantize")
     for n in (1, 2, 16):
         try:
-            mx.eval(model(mx.zeros((1, n), mx.int32), cache=make_cache(model, kv_bits, group_size)))
+            mx.eval(model(mx.zeros((1, n), mx.int32), cache=make_cache(model, kv_bits, group_size, dequantize)))
         except (ValueError, RuntimeError) as e:
-            raise ValueError(f"--kv-bits {kv_bits}: MLX cannot run this model's quantized attention on "
+            how = "dequantized" if dequantize else "quantized"
+            raise ValueError(f"--kv-bits {kv_bits}: MLX cannot run this model's {how} attention on "
                              f"{mx.default_device()} (a {n}-token prompt fails: {e})") from None

@@ -260,16 +260,19 @@ class AsyncEngine:
             from mlxserve.engine.scheduler import Scheduler
 
             cfg = self.config
-            if cfg.kv_bits:
-                from mlxserve.cache.quantized import check_kv_bits
+            from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
 
-                check_kv_bits(self.loaded.model, cfg.kv_bits)
+            dequantize_kv = dequantized_attention(cfg.kv_attention)
+            if cfg.kv_bits:
+                check_kv_bits(self.loaded.model, cfg.kv_bits, dequantize=dequantize_kv)
             self.prefix_cache = None
             if cfg.prefix_cache:
                 from mlxserve.cache import BlockPool, PrefixCache, parse_size
 
-                # Blocks hold KV as the engine computes it: quantized KV is another fingerprint.
-                fingerprint = self.loaded.fingerprint + (f"/kv{cfg.kv_bits}" if cfg.kv_bits else "")
+                # Blocks hold KV as the engine computes it: quantized KV, and how attention
+                # reads it (which changes later layers' KV), is another fingerprint.
+                kv = f"/kv{cfg.kv_bits}{'d' if dequantize_kv else 'q'}" if cfg.kv_bits else ""
+                fingerprint = self.loaded.fingerprint + kv
                 self.prefix_cache = PrefixCache(BlockPool(parse_size(cfg.cache_memory)),
                                                 cfg.block_size or default_block_size(),
                                                 fingerprint, model=self.loaded.model)
@@ -295,6 +298,7 @@ class AsyncEngine:
                 vision_cache=self.vision_cache,
                 vision_step_s=cfg.vision_step_ms / 1e3,
                 kv_bits=cfg.kv_bits,
+                dequantize_kv=dequantize_kv,
             )
             scheduler = Scheduler(
                 runner,

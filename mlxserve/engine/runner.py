@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 
-from mlxserve.cache.quantized import make_cache
+from mlxserve.cache.quantized import make_cache, set_dequantize
 from mlxserve.engine.media import MediaPrefill
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import top_logprobs
@@ -199,9 +199,11 @@ class SoloDecoder:
 class Runner:
     def __init__(self, model, *, max_num_seqs: int, prefill_chunk_size: int,
                  prefill_batch_size: int, solo_fast_path: bool = True, prefix_cache=None,
-                 vision=None, vision_cache=None, vision_step_s: float = 0.02, kv_bits: int | None = None):
+                 vision=None, vision_cache=None, vision_step_s: float = 0.02, kv_bits: int | None = None,
+                 dequantize_kv: bool = False):
         self.model = model
         self.kv_bits = kv_bits  # quantized KV (full-attention layers), or None
+        self.dequantize_kv = dequantize_kv  # attention reads that KV dequantized (cache/quantized.py)
         self.prefix_cache = prefix_cache  # a PrefixCache, or None when caching is off
         self.vision = vision  # the model's VisionAdapter, for prompts with images
         self.vision_cache = vision_cache
@@ -246,6 +248,7 @@ class Runner:
         pc.release(match)  # the restored cache is a copy
         if cache is not None:
             seq.cached_tokens = match.num_tokens
+            set_dequantize(cache, self.dequantize_kv)
         return cache
 
     def add(self, seq: Sequence) -> list[TokenEvent]:
@@ -254,7 +257,7 @@ class Runner:
             raise ValueError("this model takes no images")
         cache = self._restore_prefix(seq)
         if cache is None:
-            cache = make_cache(self.model, self.kv_bits)
+            cache = make_cache(self.model, self.kv_bits, dequantize=self.dequantize_kv)
         if seq.request.images:
             self.media.append(MediaPrefill(self.vision, seq, self.prefill_chunk_size, cache,
                                            vision_cache=self.vision_cache, prefix_cache=self.prefix_cache,
