@@ -317,7 +317,7 @@ def _stacked(entries: list, cache_layers) -> Payload:
     if isinstance(entries[full[0]], KV):
         stacks = (mx.stack([entries[i].keys for i in full] + [entries[i].values for i in full]),)
         for j, i in enumerate(full):
-            payload[i] = KV(stacks[0][j], stacks[0][n + j])
+            payload[i] = KV(_row(stacks[0], j), _row(stacks[0], n + j))
     else:
         packed = mx.stack([entries[i].keys[0] for i in full] + [entries[i].values[0] for i in full])
         meta = mx.stack([entries[i].keys[1] for i in full] + [entries[i].keys[2] for i in full]
@@ -329,7 +329,13 @@ def _stacked(entries: list, cache_layers) -> Payload:
     return payload
 
 
-def _quantized_rows(stacks, n, j, like, row=lambda a, r: a[r]) -> QuantizedKV:
+def _row(stack, r):
+    # A view: integer indexing (`stack[r]`) is a gather in MLX, a copy that
+    # would hold every block's KV twice behind the pool's back.
+    return stack[r:r + 1].squeeze(0)
+
+
+def _quantized_rows(stacks, n, j, like, row=_row) -> QuantizedKV:
     """Layer j (of n stacked) of quantized stacks, as a QuantizedKV; `row(stack, r)` reads a row."""
     packed, meta = stacks
     keys = (row(packed, j), row(meta, j), row(meta, n + j))
