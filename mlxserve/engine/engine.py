@@ -318,6 +318,7 @@ class AsyncEngine:
             log.error(self.fatal_error)
             self._fail_all("engine loop crashed")
         finally:  # nobody will run what is still queued: don't leave callers waiting
+            _finish_gpu_work()
             while True:
                 try:
                     kind, arg = self._commands.get_nowait()
@@ -398,6 +399,21 @@ class AsyncEngine:
 
     def _fail_all(self, message: str) -> None:
         self._publish({rid: [_Failure(message)] for rid in list(self._streams)})
+
+
+def _finish_gpu_work() -> None:
+    """Wait for the GPU work this thread queued. MLX-CUDA records a stream's work
+    into CUDA graphs; a thread that ends with a recording open (a pipelined decode
+    step nobody reads) left the next engine thread of the process (tests,
+    benchmarks) a failed capture that aborted the process."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    try:
+        mx.synchronize(generation_stream)
+        mx.synchronize()
+    except Exception:  # noqa: BLE001 - the thread is ending anyway
+        log.exception("waiting for GPU work at engine stop")
 
 
 def default_block_size() -> int:
