@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -30,6 +31,7 @@ from mlxserve.engine.request import (
 )
 
 log = logging.getLogger("mlxserve.engine")
+SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval while an engine runs (Python's default: 5 ms)
 
 
 class QueueFullError(RuntimeError):
@@ -86,6 +88,10 @@ class AsyncEngine:
     # ---- lifetime ----
     def start(self) -> "AsyncEngine":
         if self._thread is None:
+            # The engine thread holds the GIL while it builds the next step's graph
+            # (milliseconds of Python); at the default 5 ms switch interval the event
+            # loop waits that long to send a token that is already out.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
             self._thread.start()
             self._ready.wait()
