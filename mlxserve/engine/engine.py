@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import queue
 import sys
@@ -323,8 +324,15 @@ class AsyncEngine:
             self.fatal_error = "engine loop crashed:\n" + traceback.format_exc()
             log.error(self.fatal_error)
             self._fail_all("engine loop crashed")
-        finally:  # nobody will run what is still queued: don't leave callers waiting
+        finally:
+            # Free this engine's MLX arrays here, in the thread that owns MLX, and wait
+            # for its GPU work: left to the garbage collector, they would be freed from
+            # whichever thread collects them, maybe while another engine's thread (tests,
+            # benchmarks) records a CUDA graph, which MLX-CUDA then aborts on.
+            scheduler = runner = self.prefix_cache = self.vision_cache = None
+            gc.collect()
             _finish_gpu_work()
+            # Nobody will run what is still queued: don't leave callers waiting.
             while True:
                 try:
                     kind, arg = self._commands.get_nowait()
@@ -408,10 +416,7 @@ class AsyncEngine:
 
 
 def _finish_gpu_work() -> None:
-    """Wait for the GPU work this thread queued. MLX-CUDA records a stream's work
-    into CUDA graphs; a thread that ends with a recording open (a pipelined decode
-    step nobody reads) left the next engine thread of the process (tests,
-    benchmarks) a failed capture that aborted the process."""
+    """Wait for the GPU work this thread queued (a pipelined decode step nobody reads)."""
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
