@@ -1,8 +1,10 @@
 """mlxserve: an inference server for LLMs and VLMs on MLX."""
 
 from mlxserve._blas import preload_openblas
+from mlxserve._cuda import prefer_mlx_attention
 
 preload_openblas()  # must precede the first `import mlx`
+prefer_mlx_attention()
 
 __version__ = "0.1.0"
 
