@@ -262,6 +262,7 @@ def check_kv_bits(model, kv_bits: int, group_size: int = 64, dequantize: bool | 
     quantization groups, and backend gaps (MLX-CUDA 0.32 has no quantized
     matmul for prompts of one or two tokens, so only dequantized attention runs there).
     """
+    dequantize = dequantized_attention() if dequantize is None else dequantize
     if not any(isinstance(c, QuantizedKVCache) for c in make_cache(model, kv_bits, group_size)):
         raise ValueError(f"--kv-bits {kv_bits}: this model has no full-attention KV cache to quantize")
     for n in (1, 2, 16):

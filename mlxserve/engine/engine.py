@@ -264,11 +264,10 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             from mlxserve.engine.runner import Runner
+            from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
             from mlxserve.engine.scheduler import Scheduler
 
             cfg = self.config
-            from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
-
             dequantize_kv = dequantized_attention(cfg.kv_attention)
             if cfg.kv_bits:
                 check_kv_bits(self.loaded.model, cfg.kv_bits, dequantize=dequantize_kv)
