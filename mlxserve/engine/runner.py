@@ -144,12 +144,11 @@ class SoloDecoder:
             self.in_cache += self.todo
             self.todo = []
             self.prompt_inputs = None  # its embeddings are no longer needed
+            self.store_blocks()
             # The first token goes out as soon as it is ready: queuing the next step
             # first (as generate_step does) would hold it back by a whole step's graph
-            # building, 5-15 ms of host work per step on a GPU. Storing the blocks this
-            # pass completed (copies) waits until then too.
+            # building, 5-15 ms of host work per step on a GPU.
             event = self._emit(pipeline=False)
-            self.store_blocks()
             if not event.finish_reason:
                 self.unfed = event.token
             return event
