@@ -82,3 +82,19 @@ def api_key(server):
     server.state.server_cfg.api_key = "sk-test-key"
     yield "sk-test-key"
     server.state.server_cfg.api_key = None
+
+
+@pytest.fixture
+def quantized_attention_calls(monkeypatch):
+    """A list that grows by one per call of mlx-lm's or mlx-vlm's quantized attention (any thread)."""
+    import mlx_lm.models.base as lm_base
+    import mlx_vlm.models.base as vlm_base
+
+    calls = []
+    for module in (lm_base, vlm_base):
+        def counted(*args, _original=module.quantized_scaled_dot_product_attention, **kwargs):
+            calls.append(1)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "quantized_scaled_dot_product_attention", counted)
+    return calls

@@ -96,10 +96,14 @@ def quantizable(tmp_path_factory):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_kv_hits_give_the_same_tokens(quantizable, bits):
+def test_quantized_kv_hits_give_the_same_tokens(quantizable, bits, quantized_attention_calls):
     settings = dict(block_size=16, prefill_chunk_size=32)
-    runs = {mode: check_hits_give_the_same_tokens(quantizable, dict(settings, kv_bits=bits, kv_attention=mode))
-            for mode in ("quantized", "dequantized")}
+    runs = {}
+    for mode in ("quantized", "dequantized"):
+        quantized_attention_calls.clear()
+        runs[mode] = check_hits_give_the_same_tokens(quantizable, dict(settings, kv_bits=bits, kv_attention=mode))
+        # The mode reaches attention on every path the check takes (solo, batch, hits, handovers).
+        assert bool(quantized_attention_calls) == (mode == "quantized")
     plain, plain_tokens = check_hits_give_the_same_tokens(quantizable, settings)
     # Both attention modes read the same quantized KV (only rounding differs); 4-bit KV
     # visibly changes this tiny model's output.

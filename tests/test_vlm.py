@@ -83,8 +83,10 @@ def quantizable_vlm(tmp_path_factory):
 
 
 @pytest.mark.parametrize("attention", ["quantized", "dequantized"])
-def test_image_caches_never_change_tokens_with_quantized_kv(quantizable_vlm, attention):
+def test_image_caches_never_change_tokens_with_quantized_kv(quantizable_vlm, attention, quantized_attention_calls):
     check_image_caches_never_change_tokens(quantizable_vlm, kv_bits=8, kv_attention=attention)
+    # The mode reaches attention on every path the check takes (images, hits, batches).
+    assert bool(quantized_attention_calls) == (attention == "quantized")
 
 
 def check_image_caches_never_change_tokens(loaded, **engine_settings):

@@ -41,13 +41,13 @@ def dequantized_attention(mode: str = "auto") -> bool:
 class _QuantizedKV:
     """What both quantized caches share: KV stored quantized, read as the attention mode wants."""
 
-    dequantize = False  # per cache; set by make_cache, restores and merges
+    attend_dequantized = False  # per cache; set by make_cache, restores and merges
 
     # mlx-lm and mlx-vlm run quantized attention for any cache with a `bits`
     # attribute (`hasattr(cache, "bits")`): a dequantizing cache must not have one.
     @property
     def bits(self):
-        if self.dequantize:
+        if self.attend_dequantized:
             raise AttributeError("a dequantizing cache hides `bits` from mlx-lm's attention; see kv_bits")
         return self.kv_bits
 
@@ -74,7 +74,7 @@ class _QuantizedKV:
                 a[..., prev : prev + n, :] = q
 
     def _for_attention(self, keys, values):
-        if not self.dequantize:
+        if not self.attend_dequantized:
             return keys, values
         return (mx.dequantize(*keys, group_size=self.group_size, bits=self.kv_bits),
                 mx.dequantize(*values, group_size=self.group_size, bits=self.kv_bits))
@@ -121,7 +121,7 @@ class BatchQuantizedKVCache(_QuantizedKV, BatchKVCache):
         super().__init__(left_padding)
         self.group_size = group_size
         self.kv_bits = bits
-        self.dequantize = dequantize
+        self.attend_dequantized = dequantize
 
     def update_and_fetch(self, keys, values):
         self._store(self._idx, keys, values)
@@ -193,7 +193,7 @@ class BatchQuantizedKVCache(_QuantizedKV, BatchKVCache):
     def extract(self, idx):
         pad = self.left_padding.tolist()[idx]
         c = QuantizedKVCache(group_size=self.group_size, bits=self.kv_bits)
-        c.dequantize = self.dequantize
+        c.attend_dequantized = self.attend_dequantized
         c.keys = _map(lambda a: mx.contiguous(a[idx : idx + 1, :, pad : self._idx]), self.keys)
         c.values = _map(lambda a: mx.contiguous(a[idx : idx + 1, :, pad : self._idx]), self.values)
         c.offset = self._idx - pad
@@ -206,7 +206,7 @@ class BatchQuantizedKVCache(_QuantizedKV, BatchKVCache):
         like = next((c for c in caches if c.keys is not None), None)
         if like is None:
             c = caches[0]
-            return cls([0] * len(caches), c.group_size, c.kv_bits, c.dequantize)
+            return cls([0] * len(caches), c.group_size, c.kv_bits, c.attend_dequantized)
         padding = [longest - n for n in lengths]
 
         def merged(parts_of):
@@ -219,7 +219,7 @@ class BatchQuantizedKVCache(_QuantizedKV, BatchKVCache):
                 out.append(rows)
             return tuple(out)
 
-        cache = cls(padding, like.group_size, like.kv_bits, like.dequantize)
+        cache = cls(padding, like.group_size, like.kv_bits, like.attend_dequantized)
         cache.keys = merged(lambda c: c.keys)
         cache.values = merged(lambda c: c.values)
         cache.offset += longest
@@ -251,7 +251,7 @@ def set_dequantize(cache: list, dequantize: bool) -> list:
     """Set how the quantized layers of a prompt cache (made or restored) are attended to."""
     for c in cache:
         if isinstance(c, _QuantizedKV):
-            c.dequantize = dequantize
+            c.attend_dequantized = dequantize
     return cache
 
 

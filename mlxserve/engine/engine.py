@@ -80,6 +80,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self.fatal_error: str | None = None
+        self._stopping = False  # the MLX thread is shutting down: take no new work
         self.prefix_cache = None  # a PrefixCache, made on the MLX thread when enabled
         self.vision_cache = None  # a VisionCache, for vision-language models
         self.num_running = 0
@@ -91,7 +92,8 @@ class AsyncEngine:
         if self._thread is None:
             # The engine thread holds the GIL while it builds the next step's graph
             # (milliseconds of Python); at the default 5 ms switch interval the event
-            # loop waits that long to send a token that is already out.
+            # loop waits that long to send a token that is already out. (Process-wide,
+            # and left so: the server runs one engine for its lifetime.)
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
             self._thread.start()
@@ -107,7 +109,8 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self.fatal_error
+        return (self._thread is not None and self._thread.is_alive() and not self.fatal_error
+                and not self._stopping)
 
     # ---- caller side (event loop thread) ----
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
@@ -188,7 +191,8 @@ class AsyncEngine:
 
     def has_image_embeddings(self, content_hash: str) -> bool:
         """Whether the vision cache holds this image now (a lock-free peek from any thread: it may be evicted soon)."""
-        return self.vision_cache is not None and self.vision_cache.contains(content_hash)
+        vc = self.vision_cache  # set to None when the engine stops
+        return vc is not None and vc.contains(content_hash)
 
     def abort(self, request_id: str) -> None:
         """Free the request's slot at the next step; its stream ends with finish_reason "abort"."""
@@ -324,6 +328,7 @@ class AsyncEngine:
             log.error(self.fatal_error)
             self._fail_all("engine loop crashed")
         finally:
+            self._stopping = True
             # Free this engine's MLX arrays here, in the thread that owns MLX, and wait
             # for its GPU work: left to the garbage collector, they would be freed from
             # whichever thread collects them, maybe while another engine's thread (tests,
@@ -339,6 +344,8 @@ class AsyncEngine:
                     break
                 if kind == "call":
                     arg[1].set_exception(EngineDeadError("engine stopped"))
+                elif kind == "add":
+                    self._publish({arg[0].request_id: [_Failure("engine stopped")]})
 
     def _loop(self, scheduler) -> None:
         while True:
