@@ -365,7 +365,11 @@ def test_quantized_kv_round_trips(tiny):
     prompt = [t % 1024 for t in prompt_of(50, 15)]
     cache = prefill(model, prompt, 50)
     cache = [c.to_quantized(group_size=32, bits=8) for c in cache]
+    mx.eval([c.state for c in cache])
+    held = mx.get_active_memory()
     payloads = extract_blocks(cache, 0, 16, 3)
+    mx.eval([a for p in payloads for e in p for a in (*e.keys, *e.values)])
+    assert mx.get_active_memory() - held <= 1.5 * sum(map(payload_nbytes, payloads))  # views, not copies
     assert all(isinstance(e, QuantizedKV) and e.bits == 8 for p in payloads for e in p)
     restored = restore_cache(model, payloads, 40)
     assert isinstance(restored[0], QuantizedKVCache) and restored[0].offset == 40
