@@ -163,23 +163,20 @@ def multi_turn(bench: Bench, args) -> dict:
             engine.stop()
     for row in out["cached"]:
         new_tokens = row["prompt"] - row["cached"]
-        row["floor"] = row["suffix_alone"] + context_cost(bench.loaded.model, row["cached"], new_tokens, args.kv_bits)
+        row["floor"] = row["suffix_alone"] + random_context_cost(bench.loaded.model, row["cached"], new_tokens,
+                                                                 args.kv_bits)
     return out
 
 
-def context_cost(model, n_context: int, n_suffix: int, kv_bits=None) -> float:
-    """Seconds that attending to `n_context` tokens already in the cache adds to prefilling
-    `n_suffix` new ones (model calls, no cache machinery): with the suffix alone, the
-    floor any cache can reach."""
-    from mlxserve.bench.prefix import resident_suffix
+def random_context_cost(model, n_context: int, n_suffix: int, kv_bits=None) -> float:
+    """`bench.prefix.context_cost` of `n_context` cached tokens and `n_suffix` new ones (random
+    tokens), best of 2."""
+    from mlxserve.bench.prefix import context_cost
 
-    if n_context == 0:
-        return 0.0
     rng = random.Random(n_context)
     context = [rng.randrange(1000, 30000) for _ in range(n_context)]
     suffix = [rng.randrange(1000, 30000) for _ in range(n_suffix)]
-    return max(0.0, min(resident_suffix(model, context, suffix, kv_bits=kv_bits) for _ in range(2))
-               - min(resident_suffix(model, [], suffix, kv_bits=kv_bits) for _ in range(2)))
+    return context_cost(model, context, suffix, kv_bits=kv_bits, tries=2)
 
 
 def ablation(bench: Bench, args) -> list[dict]:
