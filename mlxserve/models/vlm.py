@@ -320,10 +320,11 @@ class QwenVL(VisionAdapter):
         # the delta is a function of the grids alone. A later turn about the same
         # images (their tokens all cached) reuses it, skipping get_rope_index's
         # pass over the whole prompt (2-3 ms on a GPU).
-        delta = self._deltas.get(self._grids(images))
+        grids = self._grids(images)
+        delta = self._deltas.get(grids)
         if delta is None:
             return self.positions(token_ids, images)[1]
-        self._deltas.move_to_end(self._grids(images))
+        self._deltas.move_to_end(grids)
         return delta
 
 
