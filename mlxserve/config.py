@@ -96,6 +96,13 @@ class EngineConfig:
         "Byte budget of the vision-embedding cache (images' projected embeddings, by pixel "
         "content), e.g. 1GB or 5%; 0 turns it off.",
     )
+    keep_image_embeddings: bool = setting(
+        False,
+        "Keep an image's embeddings in the vision cache after the prefix cache has stored its "
+        "KV blocks. Off (the default), they are dropped then: later turns restore the KV and "
+        "never read them, so an image costs its KV alone; the same picture under another "
+        "prefix runs the vision tower again.",
+    )
     vision_step_ms: float = setting(
         20.0,
         "An image's vision-tower pass runs in slices of about this many ms (at block "

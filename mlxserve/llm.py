@@ -125,7 +125,7 @@ class LLM:
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            chat_prompt(self.loaded, c, have_embeddings=self.engine.has_image_embeddings, tools=tools,
+            chat_prompt(self.loaded, c, is_cached=self.engine.image_is_cached, tools=tools,
                         chat_template_kwargs=chat_template_kwargs)
             for c in conversations
         ]

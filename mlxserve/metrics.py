@@ -103,6 +103,8 @@ class VisionCacheCollector:
                 ("vision_cache_hits", "Images whose embeddings came from the vision cache.", vc.hits),
                 ("vision_cache_misses", "Images run through the vision tower.", vc.misses),
                 ("vision_cache_evictions", "Entries evicted to keep the byte budget.", vc.evictions),
+                ("vision_cache_released", "Entries dropped because the prefix cache holds their images' KV.",
+                 vc.releases),
             ],
             gauges=[
                 ("vision_cache_bytes", "Bytes of cached image embeddings.", vc.bytes),

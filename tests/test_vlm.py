@@ -148,6 +148,44 @@ def test_different_images_never_share_blocks(tiny):
     assert again > ra.images[0].start + ra.images[0].num_tokens - 8
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_embeddings_dropped_once_kv_is_cached_and_remade_when_needed(tiny, keep):
+    """By default an image's embeddings leave the vision cache once its KV blocks are cached (an
+    image then costs its KV alone); the same picture under another prefix still gets the right
+    tokens: its pixels are made on the engine thread and the tower runs again."""
+    loaded = tiny("qwen2.5-vl-tiny")
+    image = picture(5)
+    first = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Describe it."}]}]
+    other_prefix = [{"role": "system", "content": "You are terse."}] + first
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, vision_cache_memory="0")).start()
+    try:
+        ref1, ref2 = (run(off, Request(ids, params, images=images))[0][0]
+                      for ids, images in (chat_prompt(loaded, m) for m in (first, other_prefix)))
+    finally:
+        off.stop()
+    engine = AsyncEngine(loaded, EngineConfig(block_size=8, keep_image_embeddings=keep)).start()
+    try:
+        ids, images = chat_prompt(loaded, first, is_cached=engine.image_is_cached)
+        (got1, _), = run(engine, Request(ids, params, images=images))
+        after_first = asyncio.run(engine.cache_stats())["vision_cache"]
+        ids, images = chat_prompt(loaded, other_prefix, is_cached=engine.image_is_cached)
+        assert images[0].pixels.pixel_values is None  # known to the caches: no pixel array made up front
+        (got2, cached), = run(engine, Request(ids, params, images=images))
+        after_second = asyncio.run(engine.cache_stats())["vision_cache"]
+    finally:
+        engine.stop()
+    assert (got1, got2) == (ref1, ref2)
+    assert cached < images[0].start + images[0].num_tokens  # another prefix: the image's KV is not reused
+    if keep:
+        assert (after_first["entries"], after_first["released"]) == (1, 0)
+        assert (after_second["hits"], after_second["misses"]) == (1, 1)
+    else:
+        assert (after_first["entries"], after_first["bytes"], after_first["released"]) == (0, 0, 1)
+        assert after_second["misses"] == 2  # the tower ran again
+        assert after_second["released"] == 2  # and its embeddings went once that KV was cached too
+
+
 def test_rope_delta_depends_on_the_image_grids_alone(tiny):
     """A turn whose image tokens are all cached takes its M-RoPE delta from a memo keyed
     by the image grids: it must be what a full pass gives, whatever text is around."""
@@ -272,7 +310,9 @@ def test_same_picture_by_data_url_file_and_http_is_one_entry(vlm_server, media_s
     metrics = httpx.get(vlm_server.url + "/metrics").text
     assert f"vision_cache_entries {float(after['entries'])}" in metrics
     assert f"vision_cache_misses_total {float(after['misses'])}" in metrics
-    assert after["entries"] - before["entries"] == 1
+    assert f"vision_cache_released_total {float(after['released'])}" in metrics
+    # One image: encoded once, then dropped once its KV was cached (later requests restore that).
+    assert after["released"] - before["released"] == 1 and after["entries"] == before["entries"]
     assert after["misses"] - before["misses"] == 1
     assert len({a for a, _ in answers}) == 1
     assert answers[0][1] == 0 and answers[1][1] > 0 and answers[2][1] > 0
@@ -456,7 +496,7 @@ def test_video_matches_mlx_vlm_and_its_frames_are_reused(tiny):
         (got, cold), = run(engine, Request(ids, params, images=groups))
         # The same video again, as a new turn of text after it: its groups come from the caches.
         turn2 = messages + [{"role": "assistant", "content": "Noise."}, {"role": "user", "content": "And then?"}]
-        ids2, groups2 = chat_prompt(loaded, turn2, have_embeddings=engine.has_image_embeddings)
+        ids2, groups2 = chat_prompt(loaded, turn2, is_cached=engine.image_is_cached)
         assert all(g.pixels.pixel_values is None for g in groups2)  # cached: no pixel arrays made
         (turn2_tokens, warm), = run(engine, Request(ids2, params, images=groups2))
         vstats = asyncio.run(engine.cache_stats())["vision_cache"]
@@ -465,13 +505,14 @@ def test_video_matches_mlx_vlm_and_its_frames_are_reused(tiny):
     off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, vision_cache_memory="0")).start()
     try:  # the same turn from scratch, its pixels made on demand from the kept frames
         (uncached_turn2, _), = run(off, Request(ids2, params, images=chat_prompt(loaded, turn2)[1]))
-        lazy = chat_prompt(loaded, turn2, have_embeddings=lambda _: True)[1]
+        lazy = chat_prompt(loaded, turn2, is_cached=lambda _: True)[1]
         (lazy_turn2, _), = run(off, Request(ids2, params, images=lazy))
     finally:
         off.stop()
     assert turn2_tokens == uncached_turn2 == lazy_turn2
     assert cold == 0 and warm >= groups[-1].start + groups[-1].num_tokens - 16
-    assert vstats["misses"] == 2 and vstats["entries"] == 2  # each group encoded once
+    # Each group encoded once, its embeddings dropped once the prefix cache held its KV.
+    assert (vstats["misses"], vstats["entries"], vstats["released"]) == (2, 0, 2)
     # mlx-vlm's own path over the whole video.
     frames = decode_video(base64.b64decode(url.split(",", 1)[1]), MediaLimits())
     out = vision.video_processor(videos=[frames])

@@ -20,7 +20,7 @@ async def prepare(state, sources: list[tuple[str, str]], *, type_name: str) -> l
                           "takes text only", f"{where}.type")
     try:
         return await asyncio.to_thread(prepare_images, vision, sources, state.media_limits,
-                                       state.engine.has_image_embeddings)
+                                       state.engine.image_is_cached)
     except ImagePartError as e:
         raise bad_request(str(e), e.where) from None
 

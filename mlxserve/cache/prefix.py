@@ -171,6 +171,24 @@ class PrefixCache:
         self.hit_tokens += num
         return PrefixMatch(blocks, num, hashes)
 
+    def covered_tokens(self, token_ids, extra_keys=None) -> int:
+        """How many leading tokens of `token_ids` a match would restore now.
+
+        A peek: it counts no query and holds no block.
+        """
+        if self.disabled:
+            return 0
+        counters = (self.hits, self.hit_tokens, self.partial_hits, dict(self.misses))
+        try:
+            match = self._match(token_ids, extra_keys)
+        except Exception as e:  # noqa: BLE001
+            self._fault("match", e)
+            return 0
+        finally:
+            self.hits, self.hit_tokens, self.partial_hits, self.misses = counters
+        self.release(match)
+        return match.num_tokens
+
     @staticmethod
     def _has_state(specs) -> bool:
         return specs is not None and "state" in spec_kinds(specs)

@@ -200,13 +200,14 @@ class Runner:
     def __init__(self, model, *, max_num_seqs: int, prefill_chunk_size: int,
                  prefill_batch_size: int, solo_fast_path: bool = True, prefix_cache=None,
                  vision=None, vision_cache=None, vision_step_s: float = 0.02, kv_bits: int | None = None,
-                 dequantize_kv: bool = False):
+                 dequantize_kv: bool = False, keep_image_embeddings: bool = False):
         self.model = model
         self.kv_bits = kv_bits  # quantized KV (full-attention layers), or None
         self.dequantize_kv = dequantize_kv  # attention reads that KV dequantized (cache/quantized.py)
         self.prefix_cache = prefix_cache  # a PrefixCache, or None when caching is off
         self.vision = vision  # the model's VisionAdapter, for prompts with images
         self.vision_cache = vision_cache
+        self.keep_image_embeddings = keep_image_embeddings
         self.vision_step_s = vision_step_s
         self.media: list[MediaPrefill] = []  # prompts with images, being prefilled (in order)
         self.failed: list[tuple[Sequence, str]] = []  # sequences that failed alone; the engine drains it
@@ -323,6 +324,7 @@ class Runner:
                 return events
             if event.finish_reason:
                 self.solo.store_blocks(finished=True)  # generated tokens too
+                self._release_embeddings(self.solo.seq)
                 self.solo = None
             return events + [event]
         if not self.batch:
@@ -367,8 +369,20 @@ class Runner:
                     # The finished row's cache holds prompt + output: keep its blocks, the last partial one too.
                     self.prefix_cache.store_from_cache(r.prompt_cache, r.all_tokens, len(r.all_tokens),
                                                        seq.extra_keys, hashes=seq.block_hashes, finished=True)
+                    self._release_embeddings(seq)
             events.append(_event(seq, r.token, finish, r.logprobs))
         return events
+
+    def _release_embeddings(self, seq: Sequence) -> None:
+        """Drop the vision-cache embeddings of the request's images whose KV the prefix
+        cache now holds in full: later turns restore that KV instead of reading them."""
+        images = seq.request.images
+        if not images or self.keep_image_embeddings or self.prefix_cache is None or self.vision_cache is None:
+            return
+        covered = self.prefix_cache.covered_tokens(seq.request.prompt_token_ids, seq.extra_keys)
+        for im in images:
+            if im.start + im.num_tokens <= covered:
+                self.vision_cache.release(im.content_hash)
 
     def _store_prompt_blocks(self) -> None:
         """Store the blocks each prompt completed in this step's prefill chunk.

@@ -34,11 +34,12 @@ class ImagePartError(MediaError):
 
 
 def prepare_images(vision, sources: list[tuple], limits: MediaLimits,
-                   have_embeddings=None) -> list[PreparedImage]:
+                   is_cached=None) -> list[PreparedImage]:
     """Fetch, decode, hash and preprocess each (where, url[, "image" | "video"]). Blocking: run it in a thread.
 
-    `have_embeddings(content_hash)` says whether the vision cache holds an
-    image already; then its pixel array is left to be made only if needed.
+    `is_cached(content_hash)` says whether the caches hold an image already
+    (its embeddings, or its KV); then its pixel array is left to be made only
+    if needed.
     A video gives one PreparedImage per frame group.
     """
     out = []
@@ -46,10 +47,10 @@ def prepare_images(vision, sources: list[tuple], limits: MediaLimits,
     for where, url, *kind in sources:
         try:
             if kind and kind[0] == "video":
-                out += _prepared_video(vision, where, load_video(url, limits), videos, have_embeddings)
+                out += _prepared_video(vision, where, load_video(url, limits), videos, is_cached)
                 videos += 1
                 continue
-            out.append(_prepared(vision, where, load_image(url, limits), have_embeddings))
+            out.append(_prepared(vision, where, load_image(url, limits), is_cached))
         except MediaError as e:
             raise ImagePartError(where, str(e)) from None
         except Exception as e:  # noqa: BLE001 - the processor refusing an image (e.g. too small)
@@ -95,7 +96,7 @@ def image_spans(prompt_ids: list[int], vision, images: list[PreparedImage]) -> l
     return out
 
 
-def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None, have_embeddings=None,
+def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None, is_cached=None,
                 **template_kwargs):
     """(prompt token ids, PromptImages) of a chat whose messages may hold images.
 
@@ -123,16 +124,16 @@ def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None,
                 videos = sum(1 for p in images if p.placeholder and p.pixels.video is not None)
                 if kind == "image":
                     image = part["image"].convert("RGB")
-                    prepared = [_prepared(vision, where, LoadedImage(image, pixel_hash(image)), have_embeddings)]
+                    prepared = [_prepared(vision, where, LoadedImage(image, pixel_hash(image)), is_cached)]
                 elif kind == "video":  # a list of frames (PIL images)
                     frames = [f.convert("RGB") for f in part["video"]]
-                    prepared = _prepared_video(vision, where, frames, videos, have_embeddings)
+                    prepared = _prepared_video(vision, where, frames, videos, is_cached)
                 elif kind == "video_url":
                     frames = load_video(part["video_url"]["url"], limits)
-                    prepared = _prepared_video(vision, where, frames, videos, have_embeddings)
+                    prepared = _prepared_video(vision, where, frames, videos, is_cached)
                 else:
                     loaded_image = load_image(part["image_url"]["url"], limits)
-                    prepared = [_prepared(vision, where, loaded_image, have_embeddings)]
+                    prepared = [_prepared(vision, where, loaded_image, is_cached)]
                 images += prepared
                 text += prepared[0].placeholder
             m = {**m, "content": text}
@@ -141,7 +142,7 @@ def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None,
     return ids, (image_spans(ids, vision, images) if images else [])
 
 
-def _prepared_video(vision, where: str, frames: list, video: int, have_embeddings=None) -> list[PreparedImage]:
+def _prepared_video(vision, where: str, frames: list, video: int, is_cached=None) -> list[PreparedImage]:
     """Frame groups of one video, each keyed by its frames' pixels and the size they are resized to.
 
     The video's pixel array is made here unless the vision cache holds every group.
@@ -155,13 +156,13 @@ def _prepared_video(vision, where: str, frames: list, video: int, have_embedding
         for h in frame_hashes[g * per_group : (g + 1) * per_group]:
             key.update(h.encode())
         out.append(PreparedImage(where, key.hexdigest(), pixels, vision.video_placeholder(groups) if g == 0 else None))
-    if not (have_embeddings and all(have_embeddings(p.content_hash) for p in out)):
+    if not (is_cached and all(is_cached(p.content_hash) for p in out)):
         for p in out:
             vision.pixels(p.pixels)
     return out
 
 
-def _prepared(vision, where: str, loaded_image, have_embeddings=None) -> PreparedImage:
-    cached = have_embeddings is not None and have_embeddings(loaded_image.content_hash)
+def _prepared(vision, where: str, loaded_image, is_cached=None) -> PreparedImage:
+    cached = is_cached is not None and is_cached(loaded_image.content_hash)
     pixels = vision.preprocess(loaded_image.image, pixels=not cached)
     return PreparedImage(where, loaded_image.content_hash, pixels, vision.placeholder(pixels))
