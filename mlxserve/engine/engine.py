@@ -273,64 +273,69 @@ class AsyncEngine:
                     self.abort(request.request_id)
 
     # ---- MLX thread ----
+    def _setup(self):
+        """Build the caches, the runner and the scheduler (on the MLX thread); returns the scheduler."""
+        from mlxserve.engine.runner import Runner
+        from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
+        from mlxserve.engine.scheduler import Scheduler
+
+        cfg = self.config
+        dequantize_kv = dequantized_attention(cfg.kv_attention)
+        if cfg.kv_bits:
+            check_kv_bits(self.loaded.model, cfg.kv_bits, dequantize=dequantize_kv)
+        self.prefix_cache = None
+        if cfg.prefix_cache:
+            from mlxserve.cache import BlockPool, PrefixCache, parse_size
+
+            # Blocks hold KV as the engine computes it: quantized KV, and how attention
+            # reads it (which changes later layers' KV), is another fingerprint.
+            kv = f"/kv{cfg.kv_bits}{'d' if dequantize_kv else 'q'}" if cfg.kv_bits else ""
+            fingerprint = self.loaded.fingerprint + kv
+            self.prefix_cache = PrefixCache(BlockPool(parse_size(cfg.cache_memory)),
+                                            cfg.block_size or default_block_size(),
+                                            fingerprint, model=self.loaded.model)
+        self.vision_cache = None
+        if self.loaded.vision is not None:
+            from mlxserve.cache import parse_size
+            from mlxserve.multimodal.vision_cache import VisionCache
+
+            from mlxserve.engine.stepwise import make_pausable
+
+            budget = parse_size(cfg.vision_cache_memory)
+            scope = (self.loaded.fingerprint, self.loaded.vision.settings_key())
+            self.vision_cache = VisionCache(budget, scope) if budget > 0 else None
+            make_pausable(self.loaded.vision.tower_blocks())  # where a tower pass may yield to decoding
+        runner = Runner(
+            self.loaded.model,
+            max_num_seqs=cfg.max_num_seqs,
+            prefill_chunk_size=cfg.prefill_chunk_size,
+            prefill_batch_size=cfg.prefill_batch_size,
+            solo_fast_path=cfg.solo_fast_path,
+            prefix_cache=self.prefix_cache,
+            vision=self.loaded.vision,
+            vision_cache=self.vision_cache,
+            vision_step_s=cfg.vision_step_ms / 1e3,
+            kv_bits=cfg.kv_bits,
+            dequantize_kv=dequantize_kv,
+            keep_image_embeddings=cfg.keep_image_embeddings,
+        )
+        scheduler = Scheduler(
+            runner,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            vocab_size=self.loaded.config.get("vocab_size") or 0,
+            max_num_seqs=cfg.max_num_seqs,
+        )
+        return scheduler
+
     def _run(self) -> None:
         try:
-            from mlxserve.engine.runner import Runner
-            from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
-            from mlxserve.engine.scheduler import Scheduler
-
-            cfg = self.config
-            dequantize_kv = dequantized_attention(cfg.kv_attention)
-            if cfg.kv_bits:
-                check_kv_bits(self.loaded.model, cfg.kv_bits, dequantize=dequantize_kv)
-            self.prefix_cache = None
-            if cfg.prefix_cache:
-                from mlxserve.cache import BlockPool, PrefixCache, parse_size
-
-                # Blocks hold KV as the engine computes it: quantized KV, and how attention
-                # reads it (which changes later layers' KV), is another fingerprint.
-                kv = f"/kv{cfg.kv_bits}{'d' if dequantize_kv else 'q'}" if cfg.kv_bits else ""
-                fingerprint = self.loaded.fingerprint + kv
-                self.prefix_cache = PrefixCache(BlockPool(parse_size(cfg.cache_memory)),
-                                                cfg.block_size or default_block_size(),
-                                                fingerprint, model=self.loaded.model)
-            self.vision_cache = None
-            if self.loaded.vision is not None:
-                from mlxserve.cache import parse_size
-                from mlxserve.multimodal.vision_cache import VisionCache
-
-                from mlxserve.engine.stepwise import make_pausable
-
-                budget = parse_size(cfg.vision_cache_memory)
-                scope = (self.loaded.fingerprint, self.loaded.vision.settings_key())
-                self.vision_cache = VisionCache(budget, scope) if budget > 0 else None
-                make_pausable(self.loaded.vision.tower_blocks())  # where a tower pass may yield to decoding
-            runner = Runner(
-                self.loaded.model,
-                max_num_seqs=cfg.max_num_seqs,
-                prefill_chunk_size=cfg.prefill_chunk_size,
-                prefill_batch_size=cfg.prefill_batch_size,
-                solo_fast_path=cfg.solo_fast_path,
-                prefix_cache=self.prefix_cache,
-                vision=self.loaded.vision,
-                vision_cache=self.vision_cache,
-                vision_step_s=cfg.vision_step_ms / 1e3,
-                kv_bits=cfg.kv_bits,
-                dequantize_kv=dequantize_kv,
-                keep_image_embeddings=cfg.keep_image_embeddings,
-            )
-            scheduler = Scheduler(
-                runner,
-                eos_token_ids=self.tokenizer.eos_token_ids,
-                vocab_size=self.loaded.config.get("vocab_size") or 0,
-                max_num_seqs=cfg.max_num_seqs,
-            )
-        except Exception as e:  # noqa: BLE001 - reported to start()
-            self.fatal_error = f"engine failed to start: {e!r}"
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
+            try:
+                scheduler = self._setup()
+            except Exception as e:  # noqa: BLE001 - reported to start()
+                self.fatal_error = f"engine failed to start: {e!r}"
+                return
+            finally:
+                self._ready.set()
             self._loop(scheduler)
         except Exception:  # noqa: BLE001 - a bug in the loop itself
             self.fatal_error = "engine loop crashed:\n" + traceback.format_exc()
@@ -342,7 +347,7 @@ class AsyncEngine:
             # for its GPU work: left to the garbage collector, they would be freed from
             # whichever thread collects them, maybe while another engine's thread (tests,
             # benchmarks) records a CUDA graph, which MLX-CUDA then aborts on.
-            scheduler = runner = self.prefix_cache = self.vision_cache = None
+            scheduler = self.prefix_cache = self.vision_cache = None
             gc.collect()
             _finish_gpu_work()
             # Nobody will run what is still queued: don't leave callers waiting.
