@@ -186,6 +186,39 @@ def test_embeddings_dropped_once_kv_is_cached_and_remade_when_needed(tiny, keep)
         assert after_second["released"] == 2  # and its embeddings went once that KV was cached too
 
 
+def test_concurrent_questions_about_one_image_encode_it_once(tiny):
+    """Requests admitted together all need the image's embeddings (none matched its KV yet): the
+    first to finish must not drop them while the others still have to read them."""
+    loaded = tiny("qwen2.5-vl-tiny")
+    req = chat_request(loaded, [("user", [picture(6), "Describe it."])], max_tokens=2)
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, vision_cache_memory="0")).start()
+    try:
+        (ref, _), = run(off, fresh(req))
+    finally:
+        off.stop()
+    engine = AsyncEngine(loaded, EngineConfig(block_size=8)).start()
+    try:
+        outs = run(engine, *(fresh(req) for _ in range(6)))
+        vstats = asyncio.run(engine.cache_stats())["vision_cache"]
+    finally:
+        engine.stop()
+    assert [t for t, _ in outs] == [ref] * 6
+    assert vstats["misses"] == 1 and vstats["released"] == 1 and vstats["entries"] == 0
+
+
+def test_embeddings_stay_when_the_kv_was_not_cached(tiny):
+    loaded = tiny("qwen2.5-vl-tiny")
+    req = chat_request(loaded, [("user", [picture(6), "Describe it."])], max_tokens=2)
+    engine = AsyncEngine(loaded, EngineConfig(block_size=8, cache_memory="1KB")).start()  # no block fits
+    try:
+        run(engine, fresh(req))
+        stats = asyncio.run(engine.cache_stats())
+    finally:
+        engine.stop()
+    assert stats["prefix_cache"]["blocks"] == 0
+    assert (stats["vision_cache"]["entries"], stats["vision_cache"]["released"]) == (1, 0)
+
+
 def test_rope_delta_depends_on_the_image_grids_alone(tiny):
     """A turn whose image tokens are all cached takes its M-RoPE delta from a memo keyed
     by the image grids: it must be what a full pass gives, whatever text is around."""

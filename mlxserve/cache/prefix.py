@@ -182,7 +182,7 @@ class PrefixCache:
         try:
             match = self._match(token_ids, extra_keys)
         except Exception as e:  # noqa: BLE001
-            self._fault("match", e)
+            self._fault("peek", e)
             return 0
         finally:
             self.hits, self.hit_tokens, self.partial_hits, self.misses = counters

@@ -100,18 +100,12 @@ class AsyncEngine:
             self._ready.wait()
             if self.fatal_error:
                 raise EngineDeadError(self.fatal_error)
-            # What exists now (model, tokenizer, libraries: 100k+ objects) lives as long as
-            # the engine: keep the cycle collector from walking it again. A full collection
-            # over it holds the GIL ~80 ms on a 2-core x86 CPU, a pause for every stream.
-            gc.collect()
-            gc.freeze()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._thread is not None and self._thread.is_alive():
             self._commands.put(("stop", None))
             self._thread.join(timeout)
-            gc.unfreeze()  # what the engine held may be garbage now
 
     @property
     def alive(self) -> bool:

@@ -16,10 +16,19 @@ cache already holds every image, there is nothing to do here but set the delta.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from mlxserve.engine.stepwise import Stepwise
+
+# Pixel arrays the request did not build up front (its image was cached when it was
+# prepared, and no longer is) are built here, off the engine thread: numpy and PIL
+# only, tens of ms for a large image, while the engine keeps decoding.
+_pixel_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxserve-pixels")
+PIXEL_WAIT_S = 0.005  # how long a step waits for that build before decoding on
+
 
 
 class MediaPrefill:
@@ -28,6 +37,7 @@ class MediaPrefill:
         self.vision = vision
         self.vision_step_s = vision_step_s
         self.encoding: tuple[int, Stepwise] | None = None  # an image mid-tower
+        self.building = None  # (image index, future) of a pixel array being built
         self.seq = seq
         self.chunk_size = chunk_size
         self.vision_cache = vision_cache
@@ -68,9 +78,12 @@ class MediaPrefill:
         image = self.seq.request.images[i]
         key = image.content_hash
         if self.encoding is None:
-            feats = self.vision_cache.get(key) if self.vision_cache is not None else None
+            asked = self.vision_cache is not None and self.building is None  # a miss counts once
+            feats = self.vision_cache.get(key) if asked else None
             if feats is not None:
                 self.features[i] = feats
+                return
+            if not self._pixels_ready(i):
                 return
             budget = self.vision_step_s if self.vision_step_s > 0 else float("inf")
             self.encoding = (i, Stepwise(lambda: self.vision.encode(image.pixels), budget))
@@ -83,6 +96,28 @@ class MediaPrefill:
         if self.vision_cache is not None:
             self.vision_cache.put(key, feats)
         self.features[i] = feats
+
+    def _pixels_ready(self, i: int) -> bool:
+        """Whether image i's pixel array exists; if not, have it built off this thread."""
+        inp = self.seq.request.images[i].pixels
+        if inp.pixel_values is not None:
+            return True
+        if self.building is None:
+            self.building = (i, _pixel_builder.submit(self.vision.pixels, inp))
+        future = self.building[1]
+        if not future.done():
+            try:
+                future.result(timeout=PIXEL_WAIT_S)  # a short wait, not a busy engine loop
+            except TimeoutError:
+                return False
+        self.building = None
+        future.result()  # the processor's error, if it failed
+        return True
+
+    def pending_images(self) -> set[str]:
+        """Content hashes of the images this prompt still needs embeddings of."""
+        images = self.seq.request.images
+        return {images[i].content_hash for i in self._needed(self.done, self.end) if i not in self.features}
 
     def close(self) -> None:
         """Stop an image mid-tower (the request left)."""

@@ -380,8 +380,11 @@ class Runner:
         if not images or self.keep_image_embeddings or self.prefix_cache is None or self.vision_cache is None:
             return
         covered = self.prefix_cache.covered_tokens(seq.request.prompt_token_ids, seq.extra_keys)
+        # Prompts still being prefilled were matched when admitted, maybe before this KV
+        # was cached: their images stay until they have read them.
+        pending = set().union(*(m.pending_images() for m in self.media))
         for im in images:
-            if im.start + im.num_tokens <= covered:
+            if im.start + im.num_tokens <= covered and im.content_hash not in pending:
                 self.vision_cache.release(im.content_hash)
 
     def _store_prompt_blocks(self) -> None:
