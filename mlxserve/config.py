@@ -91,6 +91,15 @@ class EngineConfig:
         "decoding, and on the CPU it is slower than BLAS).",
         choices=("auto", "quantized", "dequantized"),
     )
+    disk_cache_dir: str | None = setting(
+        None,
+        "Folder of the prefix cache's disk tier: every full block is also written there (in "
+        "the background), and a prompt whose blocks left memory, or were cached before a "
+        "restart, reads them back. Default: no disk tier.",
+    )
+    disk_cache_size: str = setting(
+        "20GB", "Byte budget of the disk tier, e.g. 50GB; the least recently used blocks go first."
+    )
     vision_cache_memory: str = setting(
         "512MB",
         "Byte budget of the vision-embedding cache (images' projected embeddings, by pixel "

@@ -86,6 +86,16 @@ class PrefixCacheCollector:
                 ("prefix_cache_budget_bytes", "Byte budget of the prefix cache.", pool.budget),
                 ("prefix_cache_blocks", "Cached blocks in memory.", len(pool)),
             ])
+        disk = pc.disk
+        if disk is not None:
+            yield from _families(
+                counters=[
+                    ("prefix_cache_disk_reads", "Blocks read back from the disk tier.", disk.reads),
+                    ("prefix_cache_disk_writes", "Blocks written to the disk tier.", disk.writes),
+                    ("prefix_cache_disk_evictions", "Block files deleted to keep the disk budget.", disk.evictions),
+                    ("prefix_cache_disk_faults", "Disk-tier files that could not be written or read.", disk.faults),
+                ],
+                gauges=[("prefix_cache_disk_bytes", "Bytes of block files in the disk tier.", disk.bytes)])
 
 
 class VisionCacheCollector:

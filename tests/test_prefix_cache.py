@@ -182,3 +182,77 @@ def test_a_budget_smaller_than_the_prompt_still_serves(tiny):
         assert cached < 100
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("shape", ["llama-tiny", "gemma3-tiny", "lfm2-tiny", "qwen3-tiny-kv8"])
+def test_disk_tier_serves_blocks_after_a_restart(tiny, quantizable, tmp_path, shape):
+    """Blocks written to the disk tier come back in a new engine (a restart) and give the same tokens,
+    for every payload kind: plain and sliding-window KV, recurrent state, 8-bit KV."""
+    if shape.endswith("-kv8"):
+        loaded, settings = quantizable, dict(block_size=16, prefill_chunk_size=32, kv_bits=8)
+    else:
+        loaded, settings = tiny(shape), CASES[shape]
+    bs = settings["block_size"]
+    prompt = prompt_of(70, 11)
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
+    try:
+        (ref, _), = run(off, [prompt])
+    finally:
+        off.stop()
+    disk = dict(disk_cache_dir=str(tmp_path / "kv"), **settings)
+    first = AsyncEngine(loaded, EngineConfig(**disk)).start()
+    try:
+        (cold, cold_cached), = run(first, [prompt])
+    finally:
+        first.stop()  # writes what is queued
+    files = list((tmp_path / "kv").glob("*.safetensors"))
+    assert len(files) >= 70 // bs
+    second = AsyncEngine(loaded, EngineConfig(**disk)).start()  # an empty hot tier: a restart
+    try:
+        (warm, warm_cached), = run(second, [prompt])
+        stats = asyncio.run(second.cache_stats())["prefix_cache"]
+    finally:
+        second.stop()
+    assert cold == warm == ref
+    assert cold_cached == 0 and warm_cached >= 64 // bs * bs
+    assert stats["disk"]["reads"] >= 64 // bs
+
+
+def test_disk_tier_keeps_its_budget_and_drops_unreadable_files(tiny, tmp_path):
+    loaded = tiny("llama-tiny")
+    settings = CASES["llama-tiny"]
+    folder = tmp_path / "kv"
+    engine = AsyncEngine(loaded, EngineConfig(disk_cache_dir=str(folder), **settings)).start()
+    try:
+        run(engine, [prompt_of(40, 21)])
+    finally:
+        engine.stop()
+    one_block = max(f.stat().st_size for f in folder.glob("*.safetensors"))
+    budget = 5 * one_block
+    engine = AsyncEngine(loaded, EngineConfig(disk_cache_dir=str(folder), disk_cache_size=str(budget),
+                                              **settings)).start()
+    try:
+        for seed in range(6):
+            run(engine, [prompt_of(40, 30 + seed)])
+        engine.prefix_cache.disk.flush()
+        on_disk = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        stats = asyncio.run(engine.cache_stats())["prefix_cache"]["disk"]
+    finally:
+        engine.stop()
+    assert on_disk <= budget and stats["bytes"] == on_disk and stats["evictions"] > 0
+    # A damaged file: the request runs uncached from that block, with the right tokens.
+    prompt = prompt_of(40, 35)  # the last one written, still on disk
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
+    try:
+        (ref, _), = run(off, [prompt])
+    finally:
+        off.stop()
+    for f in folder.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])
+    engine = AsyncEngine(loaded, EngineConfig(disk_cache_dir=str(folder), **settings)).start()
+    try:
+        (got, cached), = run(engine, [prompt])
+        stats = asyncio.run(engine.cache_stats())["prefix_cache"]["disk"]
+    finally:
+        engine.stop()
+    assert got == ref and cached == 0 and stats["faults"] >= 1

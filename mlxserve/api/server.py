@@ -7,7 +7,6 @@ turns `RequestOutput`s into OpenAI or Anthropic JSON and SSE.
 from __future__ import annotations
 
 import asyncio
-import gc
 import hmac
 import logging
 import signal
@@ -205,11 +204,6 @@ def serve(model_cfg, engine_cfg, server_cfg) -> int:
         return 1
     app = create_app(engine, loaded, server_cfg)
     state = app.state.mlx
-    # What exists now (model, tokenizer, libraries: 100k+ objects) lives as long as the
-    # server: keep the cycle collector from walking it again. A full collection over it
-    # holds the GIL ~80 ms on a 2-core x86 CPU, a pause in every stream.
-    gc.collect()
-    gc.freeze()
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port,
                             log_level=server_cfg.log_level,
                             timeout_graceful_shutdown=int(server_cfg.shutdown_timeout) + 5)

@@ -10,6 +10,8 @@
 - A multi-turn agent trace: a long system prompt with tool definitions, a
   growing history rendered with the model's chat template each turn (as
   agents do), and the share of prompt tokens served from the cache.
+- The disk tier: a prefix cached by one engine, read back from disk by a new
+  one (a restart), next to the miss and a hit from memory.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8), help="Quantized KV in every engine run.")
     p.add_argument("--block-sizes", default="32,64,128,256", help="Block sizes to compare (at the middle prefix length).")
     p.add_argument("--turns", type=int, default=8, help="Turns of the agent trace (0 skips it).")
+    p.add_argument("--disk-lens", default="2048", help="Prefix lengths of the disk-tier table ('' skips it).")
     p.add_argument("--answer-len", type=int, default=32, help="Tokens per answer in the agent trace.")
     p.add_argument("--repeats", type=int, default=2, help="Repeats of each timing; the best is kept.")
     p.add_argument("--out-dir", default="benchmarks")
@@ -157,6 +160,38 @@ def measure_block_sizes(loaded, args, rng, vocab) -> list[dict]:
     return rows
 
 
+def measure_disk(loaded, args, rng, vocab) -> list[dict]:
+    """TTFT of a prefix read back from the disk tier by a new engine (a restart)."""
+    import tempfile
+
+    block = {"block_size": args.block_size} if args.block_size else {}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mlxserve-bench-disk-") as folder:
+        settings = dict(cache_memory="50%", disk_cache_dir=folder, **block)
+        for n in [int(x) for x in args.disk_lens.split(",")]:
+            print(f"   disk tier, prefix {n}", file=sys.stderr, flush=True)
+            row = {"prefix": n, "miss": [], "disk_hit": [], "memory_hit": [], "cached": 0}
+            for _ in range(args.repeats):
+                prefix = _tokens(rng, n, vocab)
+                first = start_engine(loaded, args, **settings)
+                try:
+                    ttft(first, _tokens(rng, 64, vocab))  # warm-up
+                    row["miss"].append(ttft(first, prefix + _tokens(rng, args.suffix_len, vocab))[0])
+                finally:
+                    first.stop()  # writes what is still queued
+                second = start_engine(loaded, args, **settings)
+                try:
+                    ttft(second, _tokens(rng, 64, vocab))
+                    seconds, row["cached"] = ttft(second, prefix + _tokens(rng, args.suffix_len, vocab))
+                    row["disk_hit"].append(seconds)
+                    row["memory_hit"].append(ttft(second, prefix + _tokens(rng, args.suffix_len, vocab))[0])
+                    row["disk"] = asyncio.run(second.cache_stats())["prefix_cache"]["disk"]
+                finally:
+                    second.stop()
+            rows.append({k: min(v) if isinstance(v, list) else v for k, v in row.items()})
+    return rows
+
+
 def agent_trace(loaded, args) -> list[dict]:
     """Turns of a tool-using conversation, re-rendered with the chat template each turn."""
     from mlxserve.engine.request import Request, SamplingParams
@@ -208,6 +243,7 @@ def run(args) -> int:
     lengths = measure_lengths(loaded, args, rng, vocab)
     blocks = measure_block_sizes(loaded, args, rng, vocab) if args.block_sizes else []
     trace = agent_trace(loaded, args) if args.turns else []
+    disk = measure_disk(loaded, args, rng, vocab) if args.disk_lens else []
 
     command = "mlxserve bench prefix " + " ".join(sys.argv[3:])
     md = [report.header("Prefix cache benchmark", info, command),
@@ -237,9 +273,18 @@ def run(args) -> int:
                report.table(["turn", "prompt tokens", "cached tokens", "TTFT ms", "turn ms"],
                             [[t["turn"], t["prompt"], t["cached"], t["ttft"] * 1e3, t["total"] * 1e3]
                              for t in trace]), ""]
+    if disk:
+        md += ["## Disk tier: a prefix cached before a restart\n",
+               "One engine answers the prompt (a miss) and stops; a new engine, its memory empty, answers "
+               "the prefix with a new suffix from the blocks on disk, then from memory.\n",
+               report.table(["prefix tokens", "miss", "hit from disk", "hit from memory", "cached tokens",
+                             "MB read", "miss/disk hit"],
+                            [[d["prefix"], d["miss"] * 1e3, d["disk_hit"] * 1e3, d["memory_hit"] * 1e3, d["cached"],
+                              d["disk"]["bytes"] / max(1, d["disk"]["blocks"]) * d["disk"]["reads"] / 1e6,
+                              f"{d['miss'] / d['disk_hit']:.1f}x"] for d in disk]), ""]
     text = "\n".join(md)
     print(text)
-    report.write_result("prefix", info, text, {"lengths": lengths, "blocks": blocks, "trace": trace},
+    report.write_result("prefix", info, text, {"lengths": lengths, "blocks": blocks, "trace": trace, "disk": disk},
                         _plot, args.out_dir)
     return 0
 

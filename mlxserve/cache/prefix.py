@@ -67,10 +67,11 @@ class PrefixMatch:
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, block_size: int, fingerprint: str, *, model=None):
+    def __init__(self, pool: BlockPool, block_size: int, fingerprint: str, *, model=None, disk=None):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         self.pool = pool
+        self.disk = disk  # a DiskTier (cache/disk.py), or None
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.disabled: str | None = None  # why this model cannot be cached, if it cannot
@@ -137,7 +138,7 @@ class PrefixCache:
             best = min(len(hashes), usable // bs) * bs
         else:  # attention layers restore at any token: the last block may be cut
             best = min(len(hashes) * bs, usable)
-        blocks = self.pool.lookup(hashes[: -(-best // bs)]) if best > 0 else []
+        blocks = self._lookup(hashes[: -(-best // bs)]) if best > 0 else []
         found = len(blocks)
         try:
             num = self._restorable(blocks, specs, best) if blocks else 0
@@ -170,6 +171,26 @@ class PrefixCache:
         self.hits += 1
         self.hit_tokens += num
         return PrefixMatch(blocks, num, hashes)
+
+    def _lookup(self, hashes) -> list:
+        """The longest run of cached blocks from the start of `hashes`, acquired: the hot
+        tier's, continued from the disk tier (its blocks read back into the hot tier)."""
+        blocks = self.pool.lookup(hashes)
+        if self.disk is None:
+            return blocks
+        for key in hashes[len(blocks):]:
+            if key not in self.disk:
+                break
+            got = self.disk.load(key)
+            if got is None:
+                break
+            parent, payload, num_tokens, token_ids, extra = got
+            if parent != (blocks[-1].hash if blocks else None):
+                break
+            if self.pool.store(key, parent, payload, num_tokens=num_tokens, token_ids=token_ids, extra=extra) is None:
+                break  # no room in the hot tier
+            blocks += self.pool.lookup([key])
+        return blocks
 
     def covered_tokens(self, token_ids, extra_keys=None) -> int:
         """How many leading tokens of `token_ids` a match would restore now.
@@ -367,9 +388,12 @@ class PrefixCache:
                 end += 1
             for j, payload in enumerate(extract(k * bs, end - k), start=k):
                 tokens = np.asarray(token_ids[j * bs : (j + 1) * bs], dtype=np.int32)
-                if pool.store(hashes[j], hashes[j - 1] if j else None, payload, num_tokens=bs,
-                              token_ids=tokens, extra=_extra_at(extra_keys, j)) is None:
+                block = pool.store(hashes[j], hashes[j - 1] if j else None, payload, num_tokens=bs,
+                                   token_ids=tokens, extra=_extra_at(extra_keys, j))
+                if block is None:
                     return done  # later blocks would be unreachable orphans
+                if self.disk is not None:
+                    self.disk.save(block)
                 if j == 0:
                     pool.note_root(content_key(token_ids, bs, extra_keys), self.fingerprint)
                 done += 1
@@ -422,7 +446,15 @@ class PrefixCache:
             faults=dict(self.faults),
             disabled=self.disabled,
         )
+        if self.disk is not None:
+            s["disk"] = self.disk.stats()
         return s
+
+    def reset(self) -> None:
+        """Drop every cached block not in use, in memory and on disk."""
+        self.pool.reset()
+        if self.disk is not None:
+            self.disk.clear()
 
 
 def _extra_at(extra_keys, j: int):

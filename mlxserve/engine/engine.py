@@ -182,7 +182,7 @@ class AsyncEngine:
 
         def reset():
             if self.prefix_cache is not None:
-                self.prefix_cache.pool.reset()
+                self.prefix_cache.reset()
             if self.vision_cache is not None:
                 self.vision_cache.clear()
             return self._cache_stats()
@@ -285,9 +285,14 @@ class AsyncEngine:
             # reads it (which changes later layers' KV), is another fingerprint.
             kv = f"/kv{cfg.kv_bits}{'d' if dequantize_kv else 'q'}" if cfg.kv_bits else ""
             fingerprint = self.loaded.fingerprint + kv
+            disk = None
+            if cfg.disk_cache_dir:
+                from mlxserve.cache.disk import DiskTier
+
+                disk = DiskTier(cfg.disk_cache_dir, parse_size(cfg.disk_cache_size))
             self.prefix_cache = PrefixCache(BlockPool(parse_size(cfg.cache_memory)),
                                             cfg.block_size or default_block_size(),
-                                            fingerprint, model=self.loaded.model)
+                                            fingerprint, model=self.loaded.model, disk=disk)
         self.vision_cache = None
         if self.loaded.vision is not None:
             from mlxserve.cache import parse_size
@@ -341,6 +346,8 @@ class AsyncEngine:
             # for its GPU work: left to the garbage collector, they would be freed from
             # whichever thread collects them, maybe while another engine's thread (tests,
             # benchmarks) records a CUDA graph, which MLX-CUDA then aborts on.
+            if self.prefix_cache is not None and self.prefix_cache.disk is not None:
+                self.prefix_cache.disk.close()  # what is queued gets written
             scheduler = self.prefix_cache = self.vision_cache = None
             gc.collect()
             _finish_gpu_work()
