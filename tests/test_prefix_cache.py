@@ -234,7 +234,7 @@ def test_disk_tier_keeps_its_budget_and_drops_unreadable_files(tiny, tmp_path):
     try:
         for seed in range(6):
             run(engine, [prompt_of(40, 30 + seed)])
-        engine.prefix_cache.disk.flush()
+        engine.call(engine.prefix_cache.disk.flush).result()  # on the engine thread, which owns MLX
         on_disk = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         stats = asyncio.run(engine.cache_stats())["prefix_cache"]["disk"]
     finally:
@@ -256,3 +256,10 @@ def test_disk_tier_keeps_its_budget_and_drops_unreadable_files(tiny, tmp_path):
     finally:
         engine.stop()
     assert got == ref and cached == 0 and stats["faults"] >= 1
+
+
+def test_disk_tier_refuses_a_folder_it_cannot_write(tiny, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    engine = AsyncEngine(tiny("llama-tiny"), EngineConfig(disk_cache_dir=str(tmp_path / "a-file" / "kv")))
+    with pytest.raises(RuntimeError, match="cannot be written"):
+        engine.start()

@@ -1,21 +1,26 @@
 """The cold tier: prefix-cache blocks as safetensors files, found again after a restart.
 
 Every full block the hot tier stores is also written here, one file per block
-named by its key (keys hash the model fingerprint, so models never mix). The
-engine thread only copies the block's arrays to host memory; a background
-thread writes the file (to a temporary name, then renamed, so a crash leaves
-no half file under a real name). At start the index is rebuilt from the
-folder, so a restart, or a crash, loses only what was not written yet.
+named by its key (keys hash the model fingerprint, so models never mix).
+Writing has two halves. The engine thread copies a block's arrays to host
+memory when it has nothing else to do (`copy_pending`, called from its idle
+loop), so a prefill never waits for it; a background thread writes the file
+(to a temporary name, then renamed, so a crash leaves no half file under a
+real name). Blocks wait at most `MAX_WAITING` deep: under load that never
+lets the engine idle, the oldest are skipped (counted), never the engine
+slowed. At start the index is rebuilt from the folder, so a restart, or a
+crash, loses only what was not written yet.
 
 A prefix lookup that runs past the hot tier's blocks reads the rest of the
 chain from here back into the hot tier. Bounded in bytes: the least recently
 used files go first (use is a file's modification time, so the order
-survives restarts). A file that cannot be read is deleted and counted; the
+survives restarts). A file that cannot be parsed is deleted and counted; the
 request runs with the blocks before it.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -33,23 +38,34 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
 FORMAT = "mlxserve-block-1"
+MAX_WAITING = 64  # blocks stored in memory, not yet copied for writing
+MAX_QUEUED = 16  # copied blocks waiting for the writer thread (host memory held)
 
 
 class DiskTier:
     def __init__(self, folder, budget_bytes: int):
         self.folder = Path(folder).expanduser()
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:  # fail at start, with the reason, rather than on every block
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe = self.folder / ".write-test.tmp"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(f"disk cache folder {str(self.folder)!r} cannot be written: {e}") from None
         self.budget = int(budget_bytes)
-        self._lock = threading.Lock()  # the index: the engine thread reads it, the writer adds to it
+        self._lock = threading.Lock()  # the index and counters: the engine thread and the writer share them
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recently used first
-        self._pending: set[bytes] = set()  # queued, not written yet
+        self._waiting: OrderedDict[bytes, object] = OrderedDict()  # blocks to copy (engine thread only)
+        self._queued: set[bytes] = set()  # copied, not written yet
         self.bytes = 0
         self.reads = 0
         self.writes = 0
         self.evictions = 0
         self.faults = 0
+        self.skipped = 0  # blocks never written: the engine was busy for MAX_WAITING blocks
+        self._warned = False
         self._scan()
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue = queue.Queue(MAX_QUEUED)
         self._writer = threading.Thread(target=self._write_loop, name="mlxserve-disk-cache", daemon=True)
         self._writer.start()
 
@@ -81,33 +97,40 @@ class DiskTier:
         with self._lock:
             return len(self._index)
 
-    # ---- write (engine thread: copy to host; writer thread: the file) ----
+    # ---- write: save (engine thread), copy_pending (engine thread, idle), the writer thread ----
 
     def save(self, block) -> None:
-        """Queue a hot-tier block for writing (a no-op if it is on disk or queued)."""
+        """Note a hot-tier block for writing (a no-op if it is on disk or on its way)."""
+        key = block.hash
         with self._lock:
-            if block.hash in self._index or block.hash in self._pending:
+            if key in self._index or key in self._queued:
                 return
-            self._pending.add(block.hash)
-        arrays, layers = _encode_payload(block.payload)
-        meta = {
-            "format": FORMAT,
-            "parent": block.parent.hex() if block.parent is not None else "",
-            "num_tokens": block.num_tokens,
-            "token_ids": [] if block.token_ids is None else np.asarray(block.token_ids).tolist(),
-            "extra": [list(e) for e in block.extra] if block.extra else None,
-            "layers": layers,
-            "stacks": len(block.payload.stacks) if isinstance(block.payload, Payload) else 0,
-            "stack_layers": list(getattr(block.payload, "stack_layers", ())),
-            "bfloat16": [],
-        }
-        host = {}
-        for name, a in arrays.items():
-            if a.dtype == mx.bfloat16:  # numpy has no bfloat16: its bits travel as uint16
-                meta["bfloat16"].append(name)
-                a = a.view(mx.uint16)
-            host[name] = np.array(a)
-        self._queue.put((block.hash, host, meta))
+        if key in self._waiting:
+            return
+        self._waiting[key] = block
+        while len(self._waiting) > MAX_WAITING:
+            self._waiting.popitem(last=False)
+            self.skipped += 1
+
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self._waiting)
+
+    def copy_pending(self, max_blocks: int = 1, block: bool = False) -> None:
+        """Copy up to `max_blocks` waiting blocks to host memory and queue them for the writer
+        (engine thread). Without `block`, stop where the writer's queue is full."""
+        while self._waiting and max_blocks > 0:
+            if not block and self._queue.full():
+                return
+            key, b = self._waiting.popitem(last=False)
+            if not b.cached:  # evicted from memory meanwhile: too cold to be worth writing
+                self.skipped += 1
+                continue
+            host, meta = _to_host(b)
+            with self._lock:
+                self._queued.add(key)
+            self._queue.put((key, host, meta))
+            max_blocks -= 1
 
     def _write_loop(self) -> None:
         from safetensors.numpy import save_file
@@ -118,24 +141,29 @@ class DiskTier:
                 self._queue.task_done()
                 return
             key, host, meta = job
+            path = self._path(key)
+            tmp = path.with_suffix(".tmp")
             try:
-                path = self._path(key)
-                tmp = path.with_suffix(".tmp")
                 save_file(host, str(tmp), metadata={"mlxserve": json.dumps(meta)})
                 os.replace(tmp, path)
                 size = path.stat().st_size
                 with self._lock:
-                    self._index[key] = size
-                    self.bytes += size
-                    self.writes += 1
-                    self._evict_over_budget()
+                    if size > self.budget:
+                        path.unlink(missing_ok=True)
+                    else:
+                        self._index[key] = size
+                        self.bytes += size
+                        self.writes += 1
+                        self._evict_over_budget()
             except Exception as e:  # noqa: BLE001 - a full disk must not stop the server
+                tmp.unlink(missing_ok=True)
                 with self._lock:
                     self.faults += 1
-                log.warning("disk cache: could not write a block: %s", e)
+                    warn, self._warned = not self._warned, True
+                (log.warning if warn else log.debug)("disk cache: could not write a block: %s", e)
             finally:
                 with self._lock:
-                    self._pending.discard(key)
+                    self._queued.discard(key)
                 self._queue.task_done()
 
     def _evict_over_budget(self) -> None:
@@ -146,12 +174,14 @@ class DiskTier:
             self._path(key).unlink(missing_ok=True)
 
     def flush(self) -> None:
-        """Wait until every queued block is written."""
+        """Write every block noted so far (engine thread)."""
+        self.copy_pending(len(self._waiting), block=True)
         self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer thread."""
+        """Write what is noted, then stop the writer thread (engine thread)."""
         if self._writer.is_alive():
+            self.flush()
             self._queue.put(None)
             self._writer.join()
 
@@ -165,14 +195,24 @@ class DiskTier:
             self._index.move_to_end(key)
         path = self._path(key)
         try:
-            arrays, file_meta = mx.load(str(path), return_metadata=True)
+            # Read it whole here: mx.load on a path is lazy and keeps the file open until the
+            # arrays are evaluated, which a restore may never do for some layers.
+            data = path.read_bytes()
+        except OSError as e:  # gone (evicted meanwhile) or out of file handles: not the file's fault
+            log.debug("disk cache: cannot read %s: %s", path.name, e)
+            return None
+        try:
+            arrays, file_meta = mx.load(io.BytesIO(data), format="safetensors", return_metadata=True)
             meta = json.loads(file_meta["mlxserve"])
             if meta.get("format") != FORMAT:
                 raise ValueError(f"unknown format {meta.get('format')!r}")
             for name in meta["bfloat16"]:
                 arrays[name] = arrays[name].view(mx.bfloat16)
             payload = _decode_payload(arrays, meta)
-            os.utime(path)  # recently used, across restarts too
+            parent = bytes.fromhex(meta["parent"]) if meta["parent"] else None
+            extra = tuple(tuple(e) for e in meta["extra"]) if meta["extra"] else None
+            token_ids = np.asarray(meta["token_ids"], dtype=np.int32)
+            num_tokens = int(meta["num_tokens"])
         except Exception as e:  # noqa: BLE001 - a bad file is dropped, the request runs uncached from here
             log.warning("disk cache: dropping unreadable %s: %s", path.name, e)
             with self._lock:
@@ -182,14 +222,14 @@ class DiskTier:
                     self.bytes -= size
             path.unlink(missing_ok=True)
             return None
+        os.utime(path)  # recently used, across restarts too
         self.reads += 1
-        parent = bytes.fromhex(meta["parent"]) if meta["parent"] else None
-        extra = tuple(tuple(e) for e in meta["extra"]) if meta["extra"] else None
-        return parent, payload, meta["num_tokens"], np.asarray(meta["token_ids"], dtype=np.int32), extra
+        return parent, payload, num_tokens, token_ids, extra
 
     def clear(self) -> None:
-        """Delete every file (after what is queued is written)."""
-        self.flush()
+        """Delete every file, and forget what was waiting to be written (engine thread)."""
+        self._waiting.clear()
+        self._queue.join()
         with self._lock:
             for key in list(self._index):
                 self._path(key).unlink(missing_ok=True)
@@ -200,7 +240,31 @@ class DiskTier:
         with self._lock:
             return {"folder": str(self.folder), "blocks": len(self._index), "bytes": self.bytes,
                     "budget": self.budget, "reads": self.reads, "writes": self.writes,
-                    "evictions": self.evictions, "faults": self.faults}
+                    "evictions": self.evictions, "faults": self.faults, "skipped": self.skipped,
+                    "waiting": len(self._waiting)}
+
+
+def _to_host(block) -> tuple[dict, dict]:
+    """A block's arrays as numpy (bfloat16 as its uint16 bits: numpy has no bfloat16) and its metadata."""
+    arrays, layers = _encode_payload(block.payload)
+    meta = {
+        "format": FORMAT,
+        "parent": block.parent.hex() if block.parent is not None else "",
+        "num_tokens": block.num_tokens,
+        "token_ids": [] if block.token_ids is None else np.asarray(block.token_ids).tolist(),
+        "extra": [list(e) for e in block.extra] if block.extra else None,
+        "layers": layers,
+        "stacks": len(getattr(block.payload, "stacks", ())),
+        "stack_layers": list(getattr(block.payload, "stack_layers", ())),
+        "bfloat16": [],
+    }
+    host = {}
+    for name, a in arrays.items():
+        if a.dtype == mx.bfloat16:
+            meta["bfloat16"].append(name)
+            a = a.view(mx.uint16)
+        host[name] = np.array(a)
+    return host, meta
 
 
 # ---- a payload as named arrays plus a JSON description ----

@@ -178,18 +178,22 @@ class PrefixCache:
         blocks = self.pool.lookup(hashes)
         if self.disk is None:
             return blocks
-        for key in hashes[len(blocks):]:
-            if key not in self.disk:
-                break
-            got = self.disk.load(key)
-            if got is None:
-                break
-            parent, payload, num_tokens, token_ids, extra = got
-            if parent != (blocks[-1].hash if blocks else None):
-                break
-            if self.pool.store(key, parent, payload, num_tokens=num_tokens, token_ids=token_ids, extra=extra) is None:
-                break  # no room in the hot tier
-            blocks += self.pool.lookup([key])
+        try:
+            for key in hashes[len(blocks):]:
+                if key not in self.disk:
+                    break
+                got = self.disk.load(key)
+                if got is None:
+                    break
+                parent, payload, num_tokens, token_ids, extra = got
+                if parent != (blocks[-1].hash if blocks else None):
+                    break
+                if self.pool.store(key, parent, payload, num_tokens=num_tokens, token_ids=token_ids,
+                                   extra=extra) is None:
+                    break  # no room in the hot tier
+                blocks += self.pool.lookup([key])
+        except Exception as e:  # noqa: BLE001 - the blocks found so far still serve
+            self._fault("disk", e)
         return blocks
 
     def covered_tokens(self, token_ids, extra_keys=None) -> int:

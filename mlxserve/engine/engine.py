@@ -367,6 +367,10 @@ class AsyncEngine:
             outbox: dict[str, list] = {}
             block = not scheduler.has_work()
             commands = []
+            disk = self.prefix_cache.disk if self.prefix_cache is not None else None
+            if block and disk is not None and disk.has_waiting:
+                disk.copy_pending()  # idle: copy a stored block for the disk tier's writer
+                block = False
             if block:  # idle: sleep until a command arrives (wake now and then)
                 try:
                     commands.append(self._commands.get(timeout=0.5))
