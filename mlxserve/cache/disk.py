@@ -20,7 +20,6 @@ request runs with the blocks before it.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -195,14 +194,10 @@ class DiskTier:
             self._index.move_to_end(key)
         path = self._path(key)
         try:
-            # Read it whole here: mx.load on a path is lazy and keeps the file open until the
-            # arrays are evaluated, which a restore may never do for some layers.
-            data = path.read_bytes()
-        except OSError as e:  # gone (evicted meanwhile) or out of file handles: not the file's fault
-            log.debug("disk cache: cannot read %s: %s", path.name, e)
-            return None
-        try:
-            arrays, file_meta = mx.load(io.BytesIO(data), format="safetensors", return_metadata=True)
+            arrays, file_meta = mx.load(str(path), return_metadata=True)
+            # Read now: mx.load is lazy and keeps the file open until the arrays are
+            # evaluated, which a restore may never do for some layers.
+            mx.eval(list(arrays.values()))
             meta = json.loads(file_meta["mlxserve"])
             if meta.get("format") != FORMAT:
                 raise ValueError(f"unknown format {meta.get('format')!r}")
@@ -213,7 +208,10 @@ class DiskTier:
             extra = tuple(tuple(e) for e in meta["extra"]) if meta["extra"] else None
             token_ids = np.asarray(meta["token_ids"], dtype=np.int32)
             num_tokens = int(meta["num_tokens"])
-        except Exception as e:  # noqa: BLE001 - a bad file is dropped, the request runs uncached from here
+        except Exception as e:  # noqa: BLE001 - the request runs uncached from here
+            if not _can_open(path):  # gone (evicted meanwhile) or out of file handles: not the file's fault
+                log.debug("disk cache: cannot read %s: %s", path.name, e)
+                return None
             log.warning("disk cache: dropping unreadable %s: %s", path.name, e)
             with self._lock:
                 self.faults += 1
@@ -242,6 +240,14 @@ class DiskTier:
                     "budget": self.budget, "reads": self.reads, "writes": self.writes,
                     "evictions": self.evictions, "faults": self.faults, "skipped": self.skipped,
                     "waiting": len(self._waiting)}
+
+
+def _can_open(path: Path) -> bool:
+    try:
+        with open(path, "rb"):
+            return True
+    except OSError:
+        return False
 
 
 def _to_host(block) -> tuple[dict, dict]:
