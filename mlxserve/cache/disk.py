@@ -36,7 +36,7 @@ from mlxserve.cache.layers import KV, Nested, Payload, QuantizedKV, State, _quan
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
-FORMAT = "mlxserve-block-1"
+FORMAT = "mlxserve-block-2"
 MAX_WAITING = 64  # blocks stored in memory, not yet copied for writing
 MAX_QUEUED = 16  # copied blocks waiting for the writer thread (host memory held)
 
@@ -132,8 +132,6 @@ class DiskTier:
             max_blocks -= 1
 
     def _write_loop(self) -> None:
-        from safetensors.numpy import save_file
-
         while True:
             job = self._queue.get()
             if job is None:  # close()
@@ -143,7 +141,7 @@ class DiskTier:
             path = self._path(key)
             tmp = path.with_suffix(".tmp")
             try:
-                save_file(host, str(tmp), metadata={"mlxserve": json.dumps(meta)})
+                _write_safetensors(tmp, host, meta)
                 os.replace(tmp, path)
                 size = path.stat().st_size
                 with self._lock:
@@ -201,8 +199,6 @@ class DiskTier:
             meta = json.loads(file_meta["mlxserve"])
             if meta.get("format") != FORMAT:
                 raise ValueError(f"unknown format {meta.get('format')!r}")
-            for name in meta["bfloat16"]:
-                arrays[name] = arrays[name].view(mx.bfloat16)
             payload = _decode_payload(arrays, meta)
             parent = bytes.fromhex(meta["parent"]) if meta["parent"] else None
             extra = tuple(tuple(e) for e in meta["extra"]) if meta["extra"] else None
@@ -262,7 +258,7 @@ def _to_host(block) -> tuple[dict, dict]:
         "layers": layers,
         "stacks": len(getattr(block.payload, "stacks", ())),
         "stack_layers": list(getattr(block.payload, "stack_layers", ())),
-        "bfloat16": [],
+        "bfloat16": [],  # written as BF16 (carried as uint16 bits in numpy)
     }
     host = {}
     for name, a in arrays.items():
@@ -271,6 +267,29 @@ def _to_host(block) -> tuple[dict, dict]:
             a = a.view(mx.uint16)
         host[name] = np.array(a)
     return host, meta
+
+
+_DTYPES = {"float32": "F32", "float16": "F16", "uint32": "U32", "int32": "I32", "uint16": "U16",
+           "int16": "I16", "uint8": "U8", "int8": "I8", "int64": "I64", "uint64": "U64"}
+
+
+def _write_safetensors(path: Path, host: dict, meta: dict) -> None:
+    """A safetensors file with bfloat16 arrays stored as BF16 (safetensors' numpy writer cannot:
+    numpy has no bfloat16), so mx.load gives them back as they were, with no conversion."""
+    bf16 = set(meta["bfloat16"])
+    header = {"__metadata__": {"mlxserve": json.dumps(meta)}}
+    offset = 0
+    for name, a in host.items():
+        header[name] = {"dtype": "BF16" if name in bf16 else _DTYPES[a.dtype.name], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for a in host.values():
+            f.write(np.ascontiguousarray(a).tobytes())
 
 
 # ---- a payload as named arrays plus a JSON description ----
