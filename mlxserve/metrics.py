@@ -94,6 +94,8 @@ class PrefixCacheCollector:
                     ("prefix_cache_disk_writes", "Blocks written to the disk tier.", disk.writes),
                     ("prefix_cache_disk_evictions", "Block files deleted to keep the disk budget.", disk.evictions),
                     ("prefix_cache_disk_faults", "Disk-tier files that could not be written or read.", disk.faults),
+                    ("prefix_cache_disk_skipped", "Blocks never written: evicted from memory, or the engine "
+                     "was busy for too many.", disk.skipped),
                 ],
                 gauges=[("prefix_cache_disk_bytes", "Bytes of block files in the disk tier.", disk.bytes)])
 

@@ -25,6 +25,8 @@ import logging
 import os
 import queue
 import threading
+import time
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 
@@ -39,6 +41,7 @@ SUFFIX = ".safetensors"
 FORMAT = "mlxserve-block-2"
 MAX_WAITING = 64  # blocks stored in memory, not yet copied for writing
 MAX_QUEUED = 16  # copied blocks waiting for the writer thread (host memory held)
+STALE_TMP_S = 600  # a temporary file this old was left by a write that died
 
 
 class DiskTier:
@@ -46,7 +49,7 @@ class DiskTier:
         self.folder = Path(folder).expanduser()
         try:  # fail at start, with the reason, rather than on every block
             self.folder.mkdir(parents=True, exist_ok=True)
-            probe = self.folder / ".write-test.tmp"
+            probe = self.folder / f".write-test-{uuid.uuid4().hex}.tmp"
             probe.write_bytes(b"ok")
             probe.unlink()
         except OSError as e:
@@ -69,8 +72,12 @@ class DiskTier:
         self._writer.start()
 
     def _scan(self) -> None:
-        for tmp in self.folder.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)  # a write cut short
+        for tmp in self.folder.glob("*.tmp"):  # writes cut short (not another process's, in flight)
+            try:
+                if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+                    tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
         files = []
         for path in self.folder.glob("*" + SUFFIX):
             try:
@@ -115,21 +122,33 @@ class DiskTier:
     def has_waiting(self) -> bool:
         return bool(self._waiting)
 
-    def copy_pending(self, max_blocks: int = 1, block: bool = False) -> None:
+    def copy_pending(self, max_blocks: int = 1, block: bool = False) -> int:
         """Copy up to `max_blocks` waiting blocks to host memory and queue them for the writer
-        (engine thread). Without `block`, stop where the writer's queue is full."""
-        while self._waiting and max_blocks > 0:
+        (engine thread); returns how many. Without `block`, stop where the writer's queue is full."""
+        copied = 0
+        while self._waiting and copied < max_blocks and self._writer.is_alive():
             if not block and self._queue.full():
-                return
+                break
             key, b = self._waiting.popitem(last=False)
             if not b.cached:  # evicted from memory meanwhile: too cold to be worth writing
                 self.skipped += 1
                 continue
-            host, meta = _to_host(b)
+            try:
+                host, meta = _to_host(b)
+            except Exception as e:  # noqa: BLE001 - never the engine's failure
+                self._fail("copy", e)
+                continue
             with self._lock:
                 self._queued.add(key)
             self._queue.put((key, host, meta))
-            max_blocks -= 1
+            copied += 1
+        return copied
+
+    def _fail(self, what: str, error: Exception) -> None:
+        with self._lock:
+            self.faults += 1
+            warn, self._warned = not self._warned, True
+        (log.warning if warn else log.debug)("disk cache: could not %s a block: %s", what, error)
 
     def _write_loop(self) -> None:
         while True:
@@ -139,7 +158,7 @@ class DiskTier:
                 return
             key, host, meta = job
             path = self._path(key)
-            tmp = path.with_suffix(".tmp")
+            tmp = self.folder / f"{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
             try:
                 _write_safetensors(tmp, host, meta)
                 os.replace(tmp, path)
@@ -153,11 +172,11 @@ class DiskTier:
                         self.writes += 1
                         self._evict_over_budget()
             except Exception as e:  # noqa: BLE001 - a full disk must not stop the server
-                tmp.unlink(missing_ok=True)
-                with self._lock:
-                    self.faults += 1
-                    warn, self._warned = not self._warned, True
-                (log.warning if warn else log.debug)("disk cache: could not write a block: %s", e)
+                try:
+                    tmp.unlink(missing_ok=True)
+                except OSError:
+                    pass
+                self._fail("write", e)
             finally:
                 with self._lock:
                     self._queued.discard(key)
@@ -173,7 +192,8 @@ class DiskTier:
     def flush(self) -> None:
         """Write every block noted so far (engine thread)."""
         self.copy_pending(len(self._waiting), block=True)
-        self._queue.join()
+        if self._writer.is_alive():
+            self._queue.join()
 
     def close(self) -> None:
         """Write what is noted, then stop the writer thread (engine thread)."""
@@ -223,7 +243,8 @@ class DiskTier:
     def clear(self) -> None:
         """Delete every file, and forget what was waiting to be written (engine thread)."""
         self._waiting.clear()
-        self._queue.join()
+        if self._writer.is_alive():
+            self._queue.join()
         with self._lock:
             for key in list(self._index):
                 self._path(key).unlink(missing_ok=True)
@@ -269,8 +290,9 @@ def _to_host(block) -> tuple[dict, dict]:
     return host, meta
 
 
-_DTYPES = {"float32": "F32", "float16": "F16", "uint32": "U32", "int32": "I32", "uint16": "U16",
-           "int16": "I16", "uint8": "U8", "int8": "I8", "int64": "I64", "uint64": "U64"}
+_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "uint32": "U32", "int32": "I32",
+           "uint16": "U16", "int16": "I16", "uint8": "U8", "int8": "I8", "int64": "I64", "uint64": "U64",
+           "bool": "BOOL"}
 
 
 def _write_safetensors(path: Path, host: dict, meta: dict) -> None:
@@ -289,7 +311,7 @@ def _write_safetensors(path: Path, host: dict, meta: dict) -> None:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for a in host.values():
-            f.write(np.ascontiguousarray(a).tobytes())
+            f.write(np.ascontiguousarray(a).data)
 
 
 # ---- a payload as named arrays plus a JSON description ----

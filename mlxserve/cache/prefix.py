@@ -128,7 +128,7 @@ class PrefixCache:
             self._fault("match", e)
             return PrefixMatch()
 
-    def _match(self, token_ids, extra_keys) -> PrefixMatch:
+    def _match(self, token_ids, extra_keys, from_disk: bool = True) -> PrefixMatch:
         bs = self.block_size
         hashes = hash_blocks(token_ids, bs, fingerprint=self.fingerprint, extra_keys=extra_keys)
         specs = self.specs
@@ -138,7 +138,7 @@ class PrefixCache:
             best = min(len(hashes), usable // bs) * bs
         else:  # attention layers restore at any token: the last block may be cut
             best = min(len(hashes) * bs, usable)
-        blocks = self._lookup(hashes[: -(-best // bs)]) if best > 0 else []
+        blocks = self._lookup(hashes[: -(-best // bs)], from_disk) if best > 0 else []
         found = len(blocks)
         try:
             num = self._restorable(blocks, specs, best) if blocks else 0
@@ -172,11 +172,11 @@ class PrefixCache:
         self.hit_tokens += num
         return PrefixMatch(blocks, num, hashes)
 
-    def _lookup(self, hashes) -> list:
+    def _lookup(self, hashes, from_disk: bool = True) -> list:
         """The longest run of cached blocks from the start of `hashes`, acquired: the hot
         tier's, continued from the disk tier (its blocks read back into the hot tier)."""
         blocks = self.pool.lookup(hashes)
-        if self.disk is None:
+        if self.disk is None or not from_disk:
             return blocks
         try:
             for key in hashes[len(blocks):]:
@@ -197,15 +197,15 @@ class PrefixCache:
         return blocks
 
     def covered_tokens(self, token_ids, extra_keys=None) -> int:
-        """How many leading tokens of `token_ids` a match would restore now.
+        """How many leading tokens of `token_ids` a match would restore now from memory.
 
-        A peek: it counts no query and holds no block.
+        A peek: it counts no query, holds no block and reads nothing from disk.
         """
         if self.disabled:
             return 0
         counters = (self.hits, self.hit_tokens, self.partial_hits, dict(self.misses))
         try:
-            match = self._match(token_ids, extra_keys)
+            match = self._match(token_ids, extra_keys, from_disk=False)
         except Exception as e:  # noqa: BLE001
             self._fault("peek", e)
             return 0

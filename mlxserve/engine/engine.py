@@ -284,7 +284,7 @@ class AsyncEngine:
             # Blocks hold KV as the engine computes it: quantized KV, and how attention
             # reads it (which changes later layers' KV), is another fingerprint.
             kv = f"/kv{cfg.kv_bits}{'d' if dequantize_kv else 'q'}" if cfg.kv_bits else ""
-            fingerprint = self.loaded.fingerprint + kv
+            fingerprint = self.loaded.fingerprint + kv + _runtime()
             disk = None
             if cfg.disk_cache_dir:
                 from mlxserve.cache.disk import DiskTier
@@ -347,7 +347,10 @@ class AsyncEngine:
             # whichever thread collects them, maybe while another engine's thread (tests,
             # benchmarks) records a CUDA graph, which MLX-CUDA then aborts on.
             if self.prefix_cache is not None and self.prefix_cache.disk is not None:
-                self.prefix_cache.disk.close()  # what is queued gets written
+                try:
+                    self.prefix_cache.disk.close()  # what is queued gets written
+                except Exception:  # noqa: BLE001 - the rest of the cleanup must run
+                    log.exception("closing the disk tier")
             scheduler = self.prefix_cache = self.vision_cache = None
             gc.collect()
             _finish_gpu_work()
@@ -367,13 +370,18 @@ class AsyncEngine:
             outbox: dict[str, list] = {}
             block = not scheduler.has_work()
             commands = []
+            idle_wait = 0.5
             disk = self.prefix_cache.disk if self.prefix_cache is not None else None
             if block and disk is not None and disk.has_waiting:
-                disk.copy_pending()  # idle: copy a stored block for the disk tier's writer
-                block = False
+                # Idle: copy a stored block for the disk tier's writer, or, when its queue is
+                # full, look again soon (not at once: a spinning loop would hold the GIL).
+                if disk.copy_pending():
+                    block = False
+                else:
+                    idle_wait = 0.02
             if block:  # idle: sleep until a command arrives (wake now and then)
                 try:
-                    commands.append(self._commands.get(timeout=0.5))
+                    commands.append(self._commands.get(timeout=idle_wait))
                 except queue.Empty:
                     pass
             while True:
@@ -450,6 +458,20 @@ def _finish_gpu_work() -> None:
         mx.synchronize()
     except Exception:  # noqa: BLE001 - the thread is ending anyway
         log.exception("waiting for GPU work at engine stop")
+
+
+def _runtime() -> str:
+    """The libraries that compute the KV: blocks kept on disk across an upgrade of them must
+    not be reused (the same model could give slightly different KV)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "?"
+
+    return "".join(f"/{p}{of(p)}" for p in ("mlx", "mlx-lm", "mlx-vlm", "mlxserve"))
 
 
 def default_block_size() -> int:
