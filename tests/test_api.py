@@ -652,6 +652,15 @@ def test_dead_engine_ends_streams_and_fails_health(fragile):
 
 # ---- shutdown ----
 
+def test_an_engine_that_cannot_start_exits_1_with_the_reason(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    out = subprocess.run([sys.executable, "-m", "mlxserve.cli", "serve", "--load-format", "dummy", "llama-tiny",
+                          "--disk-cache-dir", str(tmp_path / "a-file" / "kv")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr  # not an abort in teardown (134)
+    assert "cannot be written" in out.stderr
+
+
 def test_sigterm_ends_streams_cleanly_and_exits_0():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -327,6 +327,7 @@ class AsyncEngine:
         return scheduler
 
     def _run(self) -> None:
+        scheduler_ran = False
         try:
             try:
                 scheduler = self._setup()
@@ -335,6 +336,7 @@ class AsyncEngine:
                 return
             finally:
                 self._ready.set()
+            scheduler_ran = True
             self._loop(scheduler)
         except Exception:  # noqa: BLE001 - a bug in the loop itself
             self.fatal_error = "engine loop crashed:\n" + traceback.format_exc()
@@ -353,7 +355,8 @@ class AsyncEngine:
                     log.exception("closing the disk tier")
             scheduler = self.prefix_cache = self.vision_cache = None
             gc.collect()
-            _finish_gpu_work()
+            if scheduler_ran:  # a failed start queued no GPU work; synchronizing anyway made the
+                _finish_gpu_work()  # process abort at exit in MLX's teardown (ml-explore/mlx#3126)
             # Nobody will run what is still queued: don't leave callers waiting.
             while True:
                 try:
