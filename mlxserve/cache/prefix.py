@@ -64,6 +64,8 @@ class PrefixMatch:
     blocks: list = field(default_factory=list)  # acquired: release after restore
     num_tokens: int = 0  # tokens the restored cache holds; 0 means run uncached
     hashes: list = field(default_factory=list)  # keys of the prompt's full blocks, for store_*
+    miss: str | None = None  # why nothing matched (MISS_REASONS), when nothing did
+    partial: bool = False  # the hit ends inside a block
 
 
 class PrefixCache:
@@ -121,14 +123,23 @@ class PrefixCache:
         self.queries += 1
         self.queried_tokens += len(token_ids)
         if self.disabled:
-            return self._miss("unsupported", [])
-        try:
-            return self._match(token_ids, extra_keys)
-        except Exception as e:  # noqa: BLE001 - a cache fault must not fail the request
-            self._fault("match", e)
-            return PrefixMatch()
+            match = PrefixMatch(miss="unsupported")
+        else:
+            try:
+                match = self._match(token_ids, extra_keys)
+            except Exception as e:  # noqa: BLE001 - a cache fault must not fail the request
+                self._fault("match", e)
+                return PrefixMatch()
+        if match.miss:
+            self.misses[match.miss] += 1
+        else:
+            self.hits += 1
+            self.hit_tokens += match.num_tokens
+            self.partial_hits += match.partial
+        return match
 
     def _match(self, token_ids, extra_keys, from_disk: bool = True) -> PrefixMatch:
+        """`match` without counting it."""
         bs = self.block_size
         hashes = hash_blocks(token_ids, bs, fingerprint=self.fingerprint, extra_keys=extra_keys)
         specs = self.specs
@@ -140,6 +151,7 @@ class PrefixCache:
             best = min(len(hashes) * bs, usable)
         blocks = self._lookup(hashes[: -(-best // bs)], from_disk) if best > 0 else []
         found = len(blocks)
+        partial = False
         try:
             num = self._restorable(blocks, specs, best) if blocks else 0
             keep = -(-num // bs)
@@ -153,24 +165,13 @@ class PrefixCache:
                     blocks += self.pool.lookup([child.hash])
                     self.pool.touch_child(child)
                     num += n
-                    self.partial_hits += 1
+                    partial = True
         except Exception:
             self.pool.release(blocks)
             raise
         if num == 0:
-            if best <= 0:
-                return self._miss("too_short", hashes)
-            if found:
-                return self._miss("unrestorable", hashes)
-            if self.pool.was_evicted(hashes[0]):
-                return self._miss("evicted", hashes)
-            owner = self.pool.root_owner(content_key(token_ids, bs, extra_keys))
-            if owner is not None and owner != self.fingerprint:
-                return self._miss("model_mismatch", hashes)
-            return self._miss("no_match", hashes)
-        self.hits += 1
-        self.hit_tokens += num
-        return PrefixMatch(blocks, num, hashes)
+            return PrefixMatch([], 0, hashes, miss=self._miss_reason(token_ids, extra_keys, hashes, best, found))
+        return PrefixMatch(blocks, num, hashes, partial=partial)
 
     def _lookup(self, hashes, from_disk: bool = True) -> list:
         """The longest run of cached blocks from the start of `hashes`, acquired: the hot
@@ -203,16 +204,25 @@ class PrefixCache:
         """
         if self.disabled:
             return 0
-        counters = (self.hits, self.hit_tokens, self.partial_hits, dict(self.misses))
         try:
             match = self._match(token_ids, extra_keys, from_disk=False)
         except Exception as e:  # noqa: BLE001
             self._fault("peek", e)
             return 0
-        finally:
-            self.hits, self.hit_tokens, self.partial_hits, self.misses = counters
         self.release(match)
         return match.num_tokens
+
+    def _miss_reason(self, token_ids, extra_keys, hashes, best: int, found: int) -> str:
+        if best <= 0:
+            return "too_short"
+        if found:
+            return "unrestorable"
+        if self.pool.was_evicted(hashes[0]):
+            return "evicted"
+        owner = self.pool.root_owner(content_key(token_ids, self.block_size, extra_keys))
+        if owner is not None and owner != self.fingerprint:
+            return "model_mismatch"
+        return "no_match"
 
     @staticmethod
     def _has_state(specs) -> bool:
@@ -243,10 +253,6 @@ class PrefixCache:
             if n > best_n:
                 best, best_n = child, n
         return best, best_n
-
-    def _miss(self, reason: str, hashes) -> PrefixMatch:
-        self.misses[reason] += 1
-        return PrefixMatch([], 0, hashes)
 
     def _restorable(self, blocks, specs, best: int) -> int:
         """The largest p <= best that every layer can be restored at from `blocks`; 0 if none.

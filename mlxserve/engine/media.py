@@ -30,14 +30,13 @@ _pixel_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxserve-
 PIXEL_WAIT_S = 0.005  # how long a step waits for that build before decoding on
 
 
-
 class MediaPrefill:
     def __init__(self, vision, seq, chunk_size: int, cache, *, vision_cache=None, prefix_cache=None,
                  vision_step_s: float = 0.02):
         self.vision = vision
         self.vision_step_s = vision_step_s
         self.encoding: tuple[int, Stepwise] | None = None  # an image mid-tower
-        self.building = None  # (image index, future) of a pixel array being built
+        self.building = None  # the future of a pixel array being built (of the image being encoded next)
         self.seq = seq
         self.chunk_size = chunk_size
         self.vision_cache = vision_cache
@@ -103,8 +102,8 @@ class MediaPrefill:
         if inp.pixel_values is not None:
             return True
         if self.building is None:
-            self.building = (i, _pixel_builder.submit(self.vision.pixels, inp))
-        future = self.building[1]
+            self.building = _pixel_builder.submit(self.vision.pixels, inp)
+        future = self.building
         if not future.done():
             try:
                 future.result(timeout=PIXEL_WAIT_S)  # a short wait, not a busy engine loop
