@@ -64,7 +64,7 @@ def cmd_convert(ns) -> int:
 
 
 def cmd_shapes(ns) -> int:
-    from mlxserve.models.dummy import list_shapes
+    from mlxserve.models.shapes import list_shapes
 
     for name, description in list_shapes():
         print(f"{name:20s} {description}")

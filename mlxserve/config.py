@@ -76,6 +76,14 @@ class EngineConfig:
         "backend, 256 on a GPU, where storing a block costs kernel launches per layer, so "
         "small blocks slow down misses (see benchmarks/prefix-*).",
     )
+    checkpoint_interval: int = setting(
+        4,
+        "For models with recurrent layers (Qwen3.5/3-Next, Mamba hybrids, LFM2), whose "
+        "cache can be restored only where a prefill pass stopped: prefill stops to store the "
+        "recurrent state every this many blocks, and always at each prompt's last block end "
+        "(where a repeat or an agent's next turn continues). 0: only there. Each state costs "
+        "memory (see benchmarks/prefix-*); fewer cost recompute when prompts part midway.",
+    )
     kv_bits: int | None = setting(
         None,
         "Quantize the KV cache of full-attention layers to this many bits (4 or 8), from "

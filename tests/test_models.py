@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.utils import _get_classes, save_config, save_model
 
 from mlxserve.models import ModelLoadError, build_dummy, convert_gguf, list_shapes, load
-from mlxserve.models.dummy import SHAPES
+from mlxserve.models.shapes import SHAPES
 from mlxserve.models.embedded import default_tokenizer_dir
 
 TOKENS = [1, 7, 42, 3, 200, 260, 17, 99]

@@ -8,9 +8,11 @@ import pytest
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.engine import AsyncEngine
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.dummy import SHAPES
+from mlxserve.engine.request import SamplingParams
+from mlxserve.models.shapes import SHAPES
 from mlxserve.models.load import load
+
+from parity import check_hits_give_the_same_tokens, check_restart_from_disk, greedy, prompt_of, run
 
 # (shape, engine settings): gemma3-tiny has a 16-token sliding window on 3 of 4
 # layers and lfm2-tiny recurrent (short-conv) layers beside attention, whose
@@ -19,67 +21,8 @@ BLOCK_GRANULAR = {"lfm2-tiny"}
 CASES = {
     "llama-tiny": dict(block_size=16, prefill_chunk_size=32),
     "gemma3-tiny": dict(block_size=8, prefill_chunk_size=16),
-    "lfm2-tiny": dict(block_size=16, prefill_chunk_size=32),
+    "lfm2-tiny": dict(block_size=16, prefill_chunk_size=32, checkpoint_interval=1),
 }
-
-
-def greedy(n=8):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-async def generate(engine, prompt, params):
-    tokens, last = [], None
-    async for step in engine.submit(Request(list(prompt), params)):
-        tokens += step.new_token_ids
-        last = step
-    return tokens, last.cached_tokens
-
-
-def run(engine, prompts, params=None):
-    async def go():
-        return await asyncio.gather(*(generate(engine, p, params or greedy()) for p in prompts))
-    return asyncio.run(go())
-
-
-def prompt_of(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(100, 20000) for _ in range(n)]
-
-
-def check_hits_give_the_same_tokens(loaded, settings, block_granular=False):
-    """Greedy tokens with the cache off, cold, on a full hit, a partial hit and in a batch are identical.
-
-    Hits reach the exact token where prompts part (block ends only if `block_granular`)."""
-    bs = settings["block_size"]
-
-    def cached(n):
-        return n // bs * bs if block_granular else n
-
-    shared = prompt_of(70, 1)  # longer than gemma3-tiny's window
-    first, other, partial = shared + prompt_of(5, 2), shared + prompt_of(9, 3), shared[:40] + prompt_of(20, 4)
-    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
-    try:
-        reference = [run(off, [p])[0][0] for p in (first, other, partial)]
-    finally:
-        off.stop()
-    for solo in (True, False):
-        on = AsyncEngine(loaded, EngineConfig(solo_fast_path=solo, **settings)).start()
-        try:
-            (cold, cold_cached), = run(on, [first])
-            (hit, hit_cached), = run(on, [first])  # the whole prompt but its last token
-            (again, other_cached), = run(on, [other])  # shares the first 70 tokens
-            (part, part_cached), = run(on, [partial])  # shares 40 tokens
-            batch = run(on, [first, other, partial, prompt_of(30, 5)])  # hits inside a batch
-            stats = asyncio.run(on.cache_stats())["prefix_cache"]
-        finally:
-            on.stop()
-        assert cold_cached == 0 and cold == reference[0]
-        assert hit == reference[0] and hit_cached == cached(len(first) - 1)
-        assert again == reference[1] and other_cached == cached(70)
-        assert part == reference[2] and part_cached == cached(40)
-        assert [t for t, _ in batch[:3]] == reference
-        assert all(c > 0 for _, c in batch[:3])
-    return stats, reference
 
 
 @pytest.mark.parametrize("shape", list(CASES))
@@ -192,30 +135,7 @@ def test_disk_tier_serves_blocks_after_a_restart(tiny, quantizable, tmp_path, sh
         loaded, settings = quantizable, dict(block_size=16, prefill_chunk_size=32, kv_bits=8)
     else:
         loaded, settings = tiny(shape), CASES[shape]
-    bs = settings["block_size"]
-    prompt = prompt_of(70, 11)
-    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
-    try:
-        (ref, _), = run(off, [prompt])
-    finally:
-        off.stop()
-    disk = dict(disk_cache_dir=str(tmp_path / "kv"), **settings)
-    first = AsyncEngine(loaded, EngineConfig(**disk)).start()
-    try:
-        (cold, cold_cached), = run(first, [prompt])
-    finally:
-        first.stop()  # writes what is queued
-    files = list((tmp_path / "kv").glob("*.safetensors"))
-    assert len(files) >= 70 // bs
-    second = AsyncEngine(loaded, EngineConfig(**disk)).start()  # an empty hot tier: a restart
-    try:
-        (warm, warm_cached), = run(second, [prompt])
-        stats = asyncio.run(second.cache_stats())["prefix_cache"]
-    finally:
-        second.stop()
-    assert cold == warm == ref
-    assert cold_cached == 0 and warm_cached >= 64 // bs * bs
-    assert stats["disk"]["reads"] >= 64 // bs
+    check_restart_from_disk(loaded, settings, tmp_path / "kv")
 
 
 def test_disk_tier_keeps_its_budget_and_drops_unreadable_files(tiny, tmp_path):

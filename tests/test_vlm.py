@@ -15,7 +15,7 @@ import pytest
 from mlxserve.config import EngineConfig
 from mlxserve.engine.engine import AsyncEngine
 from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.models.dummy import SHAPES
+from mlxserve.models.shapes import SHAPES
 from mlxserve.models.load import load
 from mlxserve.multimodal.prompt import chat_prompt
 

@@ -404,24 +404,26 @@ def _extract_single(c, start, end, state_here):
     return None
 
 
-def extract_blocks(cache_layers, start_token, block_size, n_blocks, *, num_tokens=None, layers=None):
+def extract_blocks(cache_layers, start_token, block_size, n_blocks, *, num_tokens=None, layers=None,
+                   states=True):
     """Payloads of blocks [start_token + i*block_size, +block_size), i < n_blocks, of a single-sequence cache.
 
     `num_tokens` is how many tokens the cache holds (default: what its
     attention layers say); a recurrent state goes to the block ending there,
     and only if every attention layer agrees, so a state is never filed under
-    the wrong position. `layers` limits extraction to those layer indices.
-    Entries that cannot be extracted are None.
+    the wrong position; `states=False` takes none. `layers` limits extraction
+    to those layer indices. Entries that cannot be extracted are None.
     """
     return _extract_span(cache_layers, _offsets(cache_layers), start_token, block_size, n_blocks,
-                         num_tokens, layers, _extract_single)
+                         num_tokens, layers, states, _extract_single)
 
 
-def _extract_span(cache_layers, offsets, start_token, block_size, n_blocks, num_tokens, layers, extract_one):
+def _extract_span(cache_layers, offsets, start_token, block_size, n_blocks, num_tokens, layers, states,
+                  extract_one):
     """Per block, per layer: extract_one(layer cache, start, end, state_here)."""
     if num_tokens is None:
         num_tokens = offsets[0] if offsets else None
-    state_ok = num_tokens is not None and all(o == num_tokens for o in offsets)
+    state_ok = states and num_tokens is not None and all(o == num_tokens for o in offsets)
     payloads = []
     for b in range(n_blocks):
         start = start_token + b * block_size
@@ -507,7 +509,7 @@ def _extract_row(c, row, start, end, state_here, seen):
 
 
 def extract_blocks_from_batch(
-    batch_cache_layers, row, start_token, block_size, n_blocks, *, num_tokens=None, layers=None
+    batch_cache_layers, row, start_token, block_size, n_blocks, *, num_tokens=None, layers=None, states=True
 ):
     """`extract_blocks` for one row of a BatchGenerator's batched cache.
 
@@ -521,7 +523,7 @@ def extract_blocks_from_batch(
         return _extract_row(c, row, start, end, state_here, seen)
 
     return _extract_span(batch_cache_layers, _batch_offsets(batch_cache_layers, row), start_token,
-                         block_size, n_blocks, num_tokens, layers, extract_one)
+                         block_size, n_blocks, num_tokens, layers, states, extract_one)
 
 
 def oldest_window_token(cache_layers, row=None) -> int:

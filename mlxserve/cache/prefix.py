@@ -69,10 +69,14 @@ class PrefixMatch:
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, block_size: int, fingerprint: str, *, model=None, disk=None):
+    def __init__(self, pool: BlockPool, block_size: int, fingerprint: str, *, model=None, disk=None,
+                 checkpoint_interval: int = 4):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
+        if checkpoint_interval < 0:
+            raise ValueError(f"checkpoint_interval must be >= 0, not {checkpoint_interval}")
         self.pool = pool
+        self.checkpoint_interval = checkpoint_interval
         self.disk = disk  # a DiskTier (cache/disk.py), or None
         self.block_size = block_size
         self.fingerprint = fingerprint
@@ -159,13 +163,14 @@ class PrefixCache:
             blocks = blocks[:keep]
             if not has_state and num == keep * bs and num < usable:
                 # Past the last whole block: the best cached continuation, token by token.
-                child, n = self._partial_child(hashes[keep - 1] if keep else None, token_ids[num:usable],
-                                               _extra_at(extra_keys, keep))
-                if child is not None and self._restorable(blocks + [child], specs, num + n) == num + n:
-                    blocks += self.pool.lookup([child.hash])
-                    self.pool.touch_child(child)
-                    num += n
-                    partial = True
+                for child, n in self._partial_children(hashes[keep - 1] if keep else None,
+                                                       token_ids[num:usable], _extra_at(extra_keys, keep)):
+                    if self._restorable(blocks + [child], specs, num + n) == num + n:
+                        blocks += self.pool.lookup([child.hash])
+                        self.pool.touch_child(child)
+                        num += n
+                        partial = True
+                        break
         except Exception:
             self.pool.release(blocks)
             raise
@@ -224,6 +229,40 @@ class PrefixCache:
             return "model_mismatch"
         return "no_match"
 
+    def checkpoints(self, start: int, end: int) -> list[int]:
+        """Token counts in (start, end] where a prefill of tokens [start, end) stops and
+        keeps the recurrent state (the runner cuts prefill passes there).
+
+        A recurrent layer's state exists only where the cache ends, so a restore
+        can start only where a prefill pass once stopped at a block end: every
+        `checkpoint_interval` blocks, and always at the last block end before
+        `end`, where a repeat of the prompt or an agent's next turn (which drops
+        this turn's reasoning) continues from. Empty for models without
+        recurrent layers, whose every block can be restored anywhere.
+        """
+        if self.disabled or not self._has_state(self.specs):
+            return []
+        bs = self.block_size
+        points = set()
+        if self.checkpoint_interval:
+            step = self.checkpoint_interval * bs
+            points.update(range((start // step + 1) * step, end, step))
+        last = (end - 1) // bs * bs
+        if last > start:
+            points.add(last)
+        if end % bs == 0:
+            points.add(end)  # no pause: the prefill ends there, and the state is kept
+        return sorted(points)
+
+    @property
+    def tails_at_prompt_end(self) -> bool:
+        """Whether a prompt's partial last block is worth storing as soon as it is prefilled
+        (`finished=True` then): with sliding-window layers, by the time decoding completes
+        that block its first tokens have left the window, and a repeat of the prompt could
+        only restore up to the block before."""
+        kinds = spec_kinds(self.specs or ())
+        return not self.disabled and "window" in kinds and "state" not in kinds
+
     @staticmethod
     def _has_state(specs) -> bool:
         return specs is not None and "state" in spec_kinds(specs)
@@ -241,18 +280,19 @@ class PrefixCache:
             key = tail_key(None, tokens, fingerprint=self.fingerprint, extra=block.extra)
         return key == block.hash
 
-    def _partial_child(self, parent, rest, extra):
-        """(block, n): the cached child of `parent` whose first n >= 1 tokens (and the
-        media among them) are the first n of `rest`, n as large as possible; (None, 0) if none."""
+    def _partial_children(self, parent, rest, extra) -> list:
+        """[(block, n)]: the cached children of `parent` whose first n >= 1 tokens (and the
+        media among them) are the first n of `rest`, longest first. (A block completed after
+        a sliding window moved on may lack layers that a shorter tail holds.)"""
         rest = np.asarray(rest[: self.block_size], dtype=np.int32)
-        best, best_n = None, 0
+        found = []
         for child in self.pool.children(parent, PARTIAL_CANDIDATES):
             if child.token_ids is None or (parent is None and not self._keyed_here(child)):
                 continue
             n = _media_limit(child.extra, extra, _common_prefix(child.token_ids, rest))
-            if n > best_n:
-                best, best_n = child, n
-        return best, best_n
+            if n > 0:
+                found.append((child, n))
+        return sorted(found, key=lambda cn: -cn[1])
 
     def _restorable(self, blocks, specs, best: int) -> int:
         """The largest p <= best that every layer can be restored at from `blocks`; 0 if none.
@@ -314,26 +354,29 @@ class PrefixCache:
     # ---- store ----
 
     def store_from_cache(self, cache_layers, token_ids, upto_tokens: int, extra_keys=None, *, hashes=None,
-                         finished: bool = False) -> int:
+                         finished: bool = False, state: bool = True) -> int:
         """Store every full block of `token_ids[:upto_tokens]` not stored yet, from a single-sequence cache.
 
         `upto_tokens` is how many tokens the cache holds. With `finished` (the
         sequence is done), the tokens after its last full block are stored too,
         as a tail that the next turn of a conversation can continue from.
+        `state`: keep the recurrent state where the cache ends, if that is a
+        block end (callers keep it at checkpoints only: each costs memory).
         Returns how many blocks were stored or completed.
         """
         try:
-            return self._store(cache_layers, None, token_ids, upto_tokens, extra_keys, hashes, finished)
+            return self._store(cache_layers, None, token_ids, upto_tokens, extra_keys, hashes, finished, state)
         except Exception as e:  # noqa: BLE001
             self._fault("store", e)
             return 0
 
     def store_from_batch(
-        self, batch_cache, row: int, token_ids, upto_tokens: int, extra_keys=None, *, hashes=None
+        self, batch_cache, row: int, token_ids, upto_tokens: int, extra_keys=None, *, hashes=None,
+        finished: bool = False, state: bool = True,
     ) -> int:
         """`store_from_cache` for one row of a BatchGenerator's batched cache."""
         try:
-            return self._store(batch_cache, row, token_ids, upto_tokens, extra_keys, hashes)
+            return self._store(batch_cache, row, token_ids, upto_tokens, extra_keys, hashes, finished, state)
         except Exception as e:  # noqa: BLE001
             self._fault("store", e)
             return 0
@@ -351,7 +394,7 @@ class PrefixCache:
             )
         return have
 
-    def _store(self, layers, row, token_ids, upto_tokens, extra_keys, hashes, finished=False) -> int:
+    def _store(self, layers, row, token_ids, upto_tokens, extra_keys, hashes, finished, state) -> int:
         bs = self.block_size
         upto = min(upto_tokens, len(token_ids))
         n_full = upto // bs
@@ -367,9 +410,10 @@ class PrefixCache:
 
         def extract(start, n, only=None, size=bs):
             if row is None:
-                payloads = extract_blocks(layers, start, size, n, num_tokens=upto_tokens, layers=only)
+                payloads = extract_blocks(layers, start, size, n, num_tokens=upto_tokens, layers=only, states=state)
             else:
-                payloads = extract_blocks_from_batch(layers, row, start, size, n, num_tokens=upto_tokens, layers=only)
+                payloads = extract_blocks_from_batch(layers, row, start, size, n, num_tokens=upto_tokens,
+                                                     layers=only, states=state)
             mx.eval([a for p in payloads for a in payload_arrays(p)])
             for j, payload in enumerate(payloads):
                 for spec, e in zip(leaf_specs, flat_entries(payload, specs)):
@@ -390,7 +434,7 @@ class PrefixCache:
             block = pool.get(hashes[k])
             if block is not None:
                 if k >= fill_from and missing_leaves(block.payload, specs):
-                    done += self._fill(block, specs, k, upto_tokens, extract)
+                    done += self._fill(block, specs, k, upto_tokens if state else None, extract)
                 k += 1
                 continue
             end = k + 1
@@ -427,7 +471,8 @@ class PrefixCache:
         return int(stored is not None)
 
     def _fill(self, block, specs, k, upto_tokens, extract) -> int:
-        """Extract the layers a cached block lacks, where this cache can give them."""
+        """Extract the layers a cached block lacks, where this cache can give them
+        (a recurrent state only if the cache ends at the block's end, `upto_tokens`)."""
         end = (k + 1) * self.block_size
         only = set()
         for i, (e, spec) in enumerate(zip(block.payload, specs)):

@@ -272,6 +272,7 @@ class AsyncEngine:
         from mlxserve.engine.runner import Runner
         from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
         from mlxserve.engine.scheduler import Scheduler
+        from mlxserve.models.families import prefill_batch_size
 
         cfg = self.config
         dequantize_kv = dequantized_attention(cfg.kv_attention)
@@ -292,7 +293,8 @@ class AsyncEngine:
                 disk = DiskTier(cfg.disk_cache_dir, parse_size(cfg.disk_cache_size))
             self.prefix_cache = PrefixCache(BlockPool(parse_size(cfg.cache_memory)),
                                             cfg.block_size or default_block_size(),
-                                            fingerprint, model=self.loaded.model, disk=disk)
+                                            fingerprint, model=self.loaded.model, disk=disk,
+                                            checkpoint_interval=cfg.checkpoint_interval)
         self.vision_cache = None
         if self.loaded.vision is not None:
             from mlxserve.cache import parse_size
@@ -308,7 +310,7 @@ class AsyncEngine:
             self.loaded.model,
             max_num_seqs=cfg.max_num_seqs,
             prefill_chunk_size=cfg.prefill_chunk_size,
-            prefill_batch_size=cfg.prefill_batch_size,
+            prefill_batch_size=prefill_batch_size(self.loaded.config, cfg.prefill_batch_size),
             solo_fast_path=cfg.solo_fast_path,
             prefix_cache=self.prefix_cache,
             vision=self.loaded.vision,

@@ -143,7 +143,8 @@ class MediaPrefill:
         """One unit of work: encode one image or prefill one chunk."""
         with mx.stream(generation_stream):
             self._ensure_positions(full=False)
-            start, end = self.done, min(self.done + self.chunk_size, self.end)
+            start = self.done
+            end = start + self.seq.cut(start, min(self.chunk_size, self.end - start))
             missing = [i for i in self._needed(start, end) if i not in self.features]
             if missing:
                 self._encode(missing[0])
@@ -188,6 +189,7 @@ class MediaPrefill:
                 del self.features[i]
             if self.prefix_cache is not None:
                 self.prefix_cache.store_from_cache(self.cache, self.prompt, self.done,
-                                                   self.seq.extra_keys, hashes=self.seq.block_hashes)
+                                                   self.seq.extra_keys, hashes=self.seq.block_hashes,
+                                                   state=self.done in self.seq.checkpoints)
         if self.finished and self.vision.text_model.mrope:
             self.cache[-1].set(self.delta)

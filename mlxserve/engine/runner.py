@@ -41,6 +41,13 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     block_hashes: list = field(default_factory=list)  # of the prompt's full blocks
     extra_keys: list | None = None  # per block: the images in it (see Request.block_extra_keys)
+    # Token counts where prefill passes stop and keep recurrent states (PrefixCache.checkpoints).
+    checkpoints: list[int] = field(default_factory=list)
+
+    def cut(self, done: int, n: int) -> int:
+        """The next prefill pass's length from `done` tokens: at most n, ending at a checkpoint."""
+        stop = next((p for p in self.checkpoints if p > done), None)
+        return n if stop is None else min(n, stop - done)
 
     @property
     def request_id(self) -> str:
@@ -134,8 +141,9 @@ class SoloDecoder:
                 return self._emit(pipeline=True)
             if self.pending is not None:  # decoding
                 return self._emit(pipeline=True)
-            if len(self.todo) > self.chunk_size:  # prefill one chunk
-                self._prefill_chunk(self.chunk_size)
+            n = self.seq.cut(len(self.in_cache), self.chunk_size)
+            if len(self.todo) > n:  # prefill one chunk
+                self._prefill_chunk(n)
                 return None
             # The rest of the prompt fits one chunk: its forward pass ends with the
             # logits of the last prompt token, the first output token. (generate_step
@@ -144,7 +152,7 @@ class SoloDecoder:
             self.in_cache += self.todo
             self.todo = []
             self.prompt_inputs = None  # its embeddings are no longer needed
-            self.store_blocks()
+            self.store_blocks(tail=self.prefix_cache is not None and self.prefix_cache.tails_at_prompt_end)
             # The first token goes out as soon as it is ready: queuing the next step
             # first (as generate_step does) would hold it back by a whole step's graph
             # building, 5-15 ms of host work per step on a GPU.
@@ -168,13 +176,14 @@ class SoloDecoder:
             self.in_cache.append(token)
         return _event(seq, token, seq.finish_reason(token), row)
 
-    def store_blocks(self, finished: bool = False) -> None:
+    def store_blocks(self, finished: bool = False, tail: bool = False) -> None:
         """Hand every full block now in the cache to the prefix cache (and, when the
-        sequence is done, the partial block after them)."""
+        sequence is done or `tail` asks, the partial block after them)."""
         if self.prefix_cache is not None:
-            self.prefix_cache.store_from_cache(self.cache, self.in_cache, len(self.in_cache),
-                                               self.seq.extra_keys, hashes=self.seq.block_hashes,
-                                               finished=finished)
+            n = len(self.in_cache)
+            self.prefix_cache.store_from_cache(self.cache, self.in_cache, n, self.seq.extra_keys,
+                                               hashes=self.seq.block_hashes, finished=finished or tail,
+                                               state=finished or n in self.seq.checkpoints)
 
     def handover(self) -> tuple[TokenEvent | None, list[int], list[int]]:
         """Stop solo decoding at a token boundary.
@@ -189,7 +198,8 @@ class SoloDecoder:
             # The batch takes token ids only: prefill what needs embeddings (images) here first.
             with mx.stream(generation_stream):
                 while self.prompt_inputs is not None and len(self.in_cache) < self.prompt_inputs.end:
-                    self._prefill_chunk(min(self.chunk_size, self.prompt_inputs.end - len(self.in_cache)))
+                    done = len(self.in_cache)
+                    self._prefill_chunk(self.seq.cut(done, min(self.chunk_size, self.prompt_inputs.end - done)))
             return None, self.todo, self.in_cache
         with mx.stream(generation_stream):
             event = self._emit(pipeline=False)
@@ -250,6 +260,7 @@ class Runner:
         if cache is not None:
             seq.cached_tokens = match.num_tokens
             set_dequantize(cache, self.dequantize_kv)
+        seq.checkpoints = pc.checkpoints(seq.cached_tokens, len(seq.request.prompt_token_ids))
         return cache
 
     def add(self, seq: Sequence) -> list[TokenEvent]:
@@ -291,8 +302,12 @@ class Runner:
         return [event] if event else []
 
     def _insert(self, seq: Sequence, prompt: list[int], cache, in_cache: list[int]):
-        (uid,) = self.generator.insert(
-            [list(prompt)],
+        # Segments end at the checkpoints, where BatchGenerator's prefill stops for this row.
+        start = len(in_cache)
+        bounds = [0] + [p - start for p in seq.checkpoints if start < p < start + len(prompt)]
+        segments = [list(prompt[a:b]) for a, b in zip(bounds, bounds[1:] + [len(prompt)])]
+        (uid,) = self.generator.insert_segments(
+            [segments],
             max_tokens=[seq.max_tokens - seq.num_generated],
             caches=[cache],
             all_tokens=[list(in_cache)],
@@ -395,12 +410,16 @@ class Runner:
         each row's cache holds.
         """
         batch = self.generator._prompt_batch
+        tails = self.prefix_cache.tails_at_prompt_end
         for row, uid in enumerate(batch.uids):
             seq = self.batch.get(uid)
             if seq is not None:
                 tokens = batch.tokens[row]
+                prompt_done = len(tokens) >= len(seq.request.prompt_token_ids) - 1  # the last is decode's
                 self.prefix_cache.store_from_batch(batch.prompt_cache, row, tokens, len(tokens),
-                                                   seq.extra_keys, hashes=seq.block_hashes)
+                                                   seq.extra_keys, hashes=seq.block_hashes,
+                                                   finished=tails and prompt_done,
+                                                   state=len(tokens) in seq.checkpoints)
 
     def reset(self) -> list[Sequence]:
         """Drop every sequence (after a failed step); returns those dropped."""

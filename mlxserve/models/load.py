@@ -87,7 +87,7 @@ def load(
         "not a .gguf file",
         f"not a built-in name ({', '.join(BUILTINS)})",
     ]
-    from mlxserve.models.dummy import SHAPES
+    from mlxserve.models.shapes import SHAPES
 
     if source in SHAPES:
         tried.append(f"{source!r} is a dummy shape: pass load_format='dummy' (--load-format dummy) for it")
@@ -98,7 +98,8 @@ def load(
 def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
     from mlx_lm.utils import load_tokenizer
 
-    from mlxserve.models.dummy import INIT_VERSION, SHAPES, build_dummy, resolve_config
+    from mlxserve.models.dummy import INIT_VERSION, build_dummy, resolve_config
+    from mlxserve.models.shapes import SHAPES
     from mlxserve.models.embedded import default_dtype, default_tokenizer_dir
 
     try:
@@ -118,6 +119,7 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
     if name == "config":
         name = Path(source).resolve().parent.name
     tokenizer = load_tokenizer(default_tokenizer_dir())
+    materialize(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -157,7 +159,7 @@ def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits) -> L
             class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0,
         )
         config["quantization"] = {"group_size": 64, "bits": quantize_bits, "mode": "affine"}
-    mx.eval(model.parameters())
+    materialize(model)
     weight_dtype = str(next(v.dtype for _, v in _flat(model) if mx.issubdtype(v.dtype, mx.floating)))
     return LoadedModel(
         model=model,
@@ -168,6 +170,25 @@ def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits) -> L
         config=config,
         source=source,
     ).with_vision(processor_config(folder))
+
+
+def materialize(model) -> None:
+    """Evaluate every array the model's modules hold, not only their parameters.
+
+    Some classes keep lazily computed arrays in private attributes (mlx-lm's
+    rotary embeddings keep `_freqs`). MLX streams belong to the thread that
+    made them, so such an array, first evaluated on the engine thread, fails
+    with "There is no Stream(cpu, 0) in current thread" (Gemma 4, Llama 3 RoPE).
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    arrays = []
+    for _, module in model.named_modules():
+        # Private entries (`_freqs`) sit in the module's dict, which `parameters()` skips.
+        for value in [*module.values(), *vars(module).values()]:
+            arrays += [a for _, a in tree_flatten(value) if isinstance(a, mx.array)]
+    mx.eval(arrays)
 
 
 def _flat(model):
