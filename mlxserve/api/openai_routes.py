@@ -84,7 +84,7 @@ def engine_requests(state: ServerState, body: GenerationFields, prompts: list[li
     so time to first token includes templating and tokenizing.
     """
     n = body.n or 1
-    vocab = state.loaded.config.get("vocab_size") or 0
+    vocab = state.loaded.vocab_size
     params = [
         sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top_logprobs,
                         seed=None if body.seed is None else body.seed + j, vocab_size=vocab,

@@ -136,6 +136,29 @@ def model_specs(model) -> tuple:
     return layer_specs(make_prompt_cache(model))
 
 
+def unsupported_layers(model) -> str | None:
+    """Which cache layers of the model blocks cannot hold, in words (None if all can)."""
+    layers = {}
+    for i, c in enumerate(make_prompt_cache(model)):
+        if layer_spec(c) is None:
+            layers.setdefault(type(c).__name__, []).append(i)
+    if not layers:
+        return None
+    return "; ".join(f"{name} in cache layers {', '.join(map(str, idx))}" for name, idx in layers.items())
+
+
+KIND_NAMES = {"full": "full attention", "window": "sliding window", "state": "recurrent state"}
+
+
+def describe_specs(specs) -> dict:
+    """{kind: number of cache layers} over the leaf layers (CacheLists opened up)."""
+    counts = {}
+    for s in flat_specs(specs):
+        if s is not None and s[0] != "positions":
+            counts[s[0]] = counts.get(s[0], 0) + 1
+    return counts
+
+
 def spec_kinds(specs) -> set:
     """The layer kinds in `specs`, looking inside CacheLists."""
     kinds = set()

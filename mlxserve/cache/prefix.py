@@ -30,6 +30,8 @@ from mlx.utils import tree_flatten
 
 from mlxserve.cache.blocks import content_key, hash_blocks, tail_key
 from mlxserve.cache.layers import (
+    KIND_NAMES,
+    describe_specs,
     extract_blocks,
     extract_blocks_from_batch,
     fill_missing,
@@ -43,6 +45,7 @@ from mlxserve.cache.layers import (
     payload_arrays,
     restore_cache,
     spec_kinds,
+    unsupported_layers,
 )
 from mlxserve.cache.pool import BlockPool
 
@@ -82,7 +85,10 @@ class PrefixCache:
         self.fingerprint = fingerprint
         self.disabled: str | None = None  # why this model cannot be cached, if it cannot
         if model is not None:
+            unsupported = unsupported_layers(model)
             try:
+                if unsupported:
+                    raise ValueError(f"blocks cannot hold {unsupported}; requests run uncached")
                 self._check_specs(model_specs(model))
             except ValueError as e:
                 self._disable(str(e))
@@ -105,6 +111,18 @@ class PrefixCache:
         known = self.pool.layouts.setdefault(self.fingerprint, specs)
         if known != specs:
             raise ValueError(f"cache layout {specs} differs from the model's {known}")
+
+    def describe(self) -> str:
+        """What this cache keeps of the model's layers, for the start-up log."""
+        if self.disabled:
+            return f"prefix cache off for this model: {self.disabled}"
+        counts = describe_specs(self.specs or ())
+        text = ", ".join(f"{n} {KIND_NAMES[k]}" for k, n in counts.items())
+        text = f"prefix cache: {self.block_size}-token blocks over {text} layers"
+        if "state" in counts:
+            every = f"every {self.checkpoint_interval} blocks and " if self.checkpoint_interval else ""
+            text += f"; recurrent states kept {every}at each prompt's last block end, hits end there"
+        return text
 
     def _disable(self, reason: str) -> None:
         self.disabled = reason
@@ -500,6 +518,8 @@ class PrefixCache:
             misses=dict(self.misses),
             faults=dict(self.faults),
             disabled=self.disabled,
+            layers=describe_specs(self.specs or ()),
+            checkpoint_interval=self.checkpoint_interval,
         )
         if self.disk is not None:
             s["disk"] = self.disk.stats()

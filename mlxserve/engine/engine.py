@@ -142,7 +142,7 @@ class AsyncEngine:
             raise EngineDeadError(self.fatal_error or "engine is not running")
         if not request.prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
-        vocab = self.loaded.config.get("vocab_size")
+        vocab = self.loaded.vocab_size
         if vocab and any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
         max_tokens = self.check_length(len(request.prompt_token_ids), request.params.max_tokens)
@@ -272,7 +272,7 @@ class AsyncEngine:
         from mlxserve.engine.runner import Runner
         from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
         from mlxserve.engine.scheduler import Scheduler
-        from mlxserve.models.families import prefill_batch_size
+        from mlxserve.models.families import prefill_batch_size, unbatchable_layers
 
         cfg = self.config
         dequantize_kv = dequantized_attention(cfg.kv_attention)
@@ -295,6 +295,7 @@ class AsyncEngine:
                                             cfg.block_size or default_block_size(),
                                             fingerprint, model=self.loaded.model, disk=disk,
                                             checkpoint_interval=cfg.checkpoint_interval)
+            log.info("%s", self.prefix_cache.describe())
         self.vision_cache = None
         if self.loaded.vision is not None:
             from mlxserve.cache import parse_size
@@ -306,12 +307,18 @@ class AsyncEngine:
             scope = (self.loaded.fingerprint, self.loaded.vision.settings_key())
             self.vision_cache = VisionCache(budget, scope) if budget > 0 else None
             make_pausable(self.loaded.vision.tower_blocks())  # where a tower pass may yield to decoding
+        max_num_seqs = cfg.max_num_seqs
+        unbatchable = unbatchable_layers(self.loaded.model)
+        if unbatchable:
+            log.warning("batching off: mlx-lm cannot batch %s layers; requests run one at a time",
+                        ", ".join(unbatchable))
+            max_num_seqs = 1
         runner = Runner(
             self.loaded.model,
-            max_num_seqs=cfg.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             prefill_chunk_size=cfg.prefill_chunk_size,
             prefill_batch_size=prefill_batch_size(self.loaded.config, cfg.prefill_batch_size),
-            solo_fast_path=cfg.solo_fast_path,
+            solo_fast_path=cfg.solo_fast_path or bool(unbatchable),
             prefix_cache=self.prefix_cache,
             vision=self.loaded.vision,
             vision_cache=self.vision_cache,
@@ -323,8 +330,8 @@ class AsyncEngine:
         scheduler = Scheduler(
             runner,
             eos_token_ids=self.tokenizer.eos_token_ids,
-            vocab_size=self.loaded.config.get("vocab_size") or 0,
-            max_num_seqs=cfg.max_num_seqs,
+            vocab_size=self.loaded.vocab_size,
+            max_num_seqs=max_num_seqs,
         )
         return scheduler
 

@@ -16,7 +16,7 @@ from mlxserve.models.shapes import SHAPES, text_config
 LOGIT_STD = 12.0
 
 # Bump when `init_weights` changes, so fingerprints of dummy models change too.
-INIT_VERSION = 3
+INIT_VERSION = 4
 
 
 def resolve_config(config_or_shape) -> dict:
@@ -108,6 +108,9 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
 
     tc = text_config(config)
     hidden, vocab = tc["hidden_size"], tc["vocab_size"]
+    # Soft-capped logits (cap * tanh(x / cap): Gemma 2/4) squash large ones together; the
+    # top-1/top-2 gap after the cap is widest near std 0.17 * cap.
+    logit_std = min(LOGIT_STD, 0.17 * (tc.get("final_logit_softcapping") or math.inf))
     embeds, heads = _vocab_modules(model, vocab)
     tied = not heads
     offsets = _norm_offsets(model)
@@ -115,7 +118,7 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
     input_scale = math.sqrt(hidden) if config["model_type"].startswith("gemma") else 1.0
     if tied:
         embed_std = 1 / (math.sqrt(hidden) * input_scale)  # the token enters the residual at 1/sqrt(hidden)
-        final_gain = LOGIT_STD / (math.sqrt(hidden) * embed_std)
+        final_gain = logit_std / (math.sqrt(hidden) * embed_std)
     else:
         embed_std = 1 / input_scale
         final_gain = 1.0
@@ -125,7 +128,7 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
         if module in embeds and name.endswith(".weight"):
             w = uniform(seed, name, p.shape, embed_std)
         elif module in heads and name.endswith(".weight"):
-            w = uniform(seed, name, p.shape, LOGIT_STD / math.sqrt(p.shape[-1]))
+            w = uniform(seed, name, p.shape, logit_std / math.sqrt(p.shape[-1]))
         elif p.ndim >= 2:
             # Fan-in: the last axis of linear and stacked-expert weights; kernel x
             # channels for convolutions, which MLX stores (out, kernel, in).
@@ -147,7 +150,8 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
     return weights
 
 
-def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int | None = None, seed: int = 0):
+def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int | None = None, seed: int = 0,
+                source: str | None = None):
     """An mlx-lm model with random weights: (model, config).
 
     `config_or_shape` is a name from `SHAPES`, a config dict in mlx-lm's
@@ -157,9 +161,10 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
     """
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx_lm.utils import _get_classes
+    from mlxserve.models.architectures import build_text_model
 
     config = resolve_config(config_or_shape)
+    source = source or (config_or_shape if isinstance(config_or_shape, str) else "config")
     if dtype is None:
         from mlxserve.models.embedded import default_dtype
 
@@ -173,8 +178,7 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
 
         model = build_vlm(config)
     else:
-        model_class, args_class = _get_classes(config)
-        model = model_class(args_class.from_dict(config))
+        model = build_text_model(config, source)
     model.load_weights(list(init_weights(model, config, seed, getattr(mx, dtype)).items()))
     if quantize_bits:
         group_size = 64

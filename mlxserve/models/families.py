@@ -10,6 +10,23 @@ SERIAL_PREFILL = frozenset({"jamba", "olmo_hybrid", "nemotron_h", "mamba", "baic
                             "rwkv7", "longcat_flash_ngram"})
 
 
+# The same for mlx-vlm's language models (vision-language folders): mlx-vlm 0.7.10's Qwen3.5
+# runs a padded batch row by row (qwen3_5/language.py, Qwen3_5Model.__call__) and each row
+# takes its right padding into its recurrent state (tests/test_vlm.py, the mixed batch).
+SERIAL_PREFILL_VLM = frozenset({"qwen3_5"})
+
+
 def prefill_batch_size(config: dict, requested: int) -> int:
     """Prompts prefilled together for this model: `requested`, or 1 where padding breaks it."""
-    return 1 if config.get("model_type") in SERIAL_PREFILL else requested
+    family = config.get("model_type")
+    serial = family in SERIAL_PREFILL or ("vision_config" in config and family in SERIAL_PREFILL_VLM)
+    return 1 if serial else requested
+
+
+def unbatchable_layers(model) -> list[str]:
+    """Cache classes of the model that mlx-lm's BatchGenerator cannot merge into a batch
+    (0.32.2: Llama 4's ChunkedKVCache has no `merge`): such a model decodes one request
+    at a time."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return sorted({type(c).__name__ for c in make_prompt_cache(model) if not hasattr(type(c), "merge")})

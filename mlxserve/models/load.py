@@ -26,6 +26,13 @@ class LoadedModel:
     source: str  # what the user passed
     vision: Any = None  # a VisionAdapter for vision-language models (`model` is then its text half)
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's vocabulary (its text config's, for nested configs); 0 if unknown."""
+        from mlxserve.models.shapes import text_config
+
+        return text_config(self.config).get("vocab_size") or 0
+
     def with_vision(self, processor_config: dict) -> "LoadedModel":
         """For a VLM: wrap it in its family's adapter; `model` becomes the text half."""
         from mlxserve.models.vlm import is_vlm_config, make_adapter
@@ -110,7 +117,7 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
         ) from None
     dtype = dtype or default_dtype()
     preprocessor = config.get("preprocessor_config", {})
-    model, config = build_dummy(config, dtype=dtype, quantize_bits=quantize_bits, seed=seed)
+    model, config = build_dummy(config, dtype=dtype, quantize_bits=quantize_bits, seed=seed, source=source)
     blob = json.dumps(
         {"config": config, "seed": seed, "dtype": dtype, "bits": quantize_bits, "init": INIT_VERSION},
         sort_keys=True,
@@ -138,14 +145,20 @@ def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits) -> L
 
     from mlxserve.models.vlm import is_vlm_config, load_vlm_weights, processor_config
 
+    from mlxserve.models.architectures import text_model_classes
+
     folder = Path(folder)
     try:
         config = json.loads((folder / "config.json").read_text())
+        if not is_vlm_config(config):
+            text_model_classes(config, source)  # an unknown architecture: say so before reading weights
         if is_vlm_config(config):
             model = load_vlm_weights(folder)
         else:
             model, config = load_model(folder)
         tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    except ModelLoadError:
+        raise
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"{source}: cannot load the model folder {folder}: {e}") from e
     quantized = "quantization" in config

@@ -560,8 +560,7 @@ def param_count(config: dict) -> int:
 
         model = build_vlm({k: v for k, v in config.items() if k != "preprocessor_config"})
     else:
-        from mlx_lm.utils import _get_classes
+        from mlxserve.models.architectures import build_text_model
 
-        model_class, args_class = _get_classes(config)
-        model = model_class(args_class.from_dict(config))
+        model = build_text_model(config)
     return sum(p.size for _, p in tree_flatten(model.parameters()))
