@@ -79,3 +79,33 @@ def test_llama4_runs_one_request_at_a_time_and_names_what_it_cannot_cache(folder
     assert together == alone and all(cached == 0 for _, cached in alone)
     assert "ChunkedKVCache in cache layers 0, 1, 2" in stats["disabled"]
     assert stats["misses"]["unsupported"] == 4
+
+
+@pytest.mark.parametrize("solo", [True, False])
+@pytest.mark.parametrize("name", ["qwen3.5-tiny", "gemma4-tiny", "gpt-oss-tiny"])
+def test_agent_next_turn_without_the_reasoning_restores_the_whole_previous_prompt(name, solo, folder):
+    """A reasoning model's template drops earlier turns' reasoning, so turn 2 parts from what
+    the cache holds (turn 1's prompt, reasoning, answer) right after turn 1's prompt. Hybrid
+    and sliding-window layers cannot be cut back there; the prompt's tail restores it all."""
+    loaded = family(name, folder)
+    tok = loaded.tokenizer
+    turn1 = tok.apply_chat_template([{"role": "system", "content": "You are a coding agent. " * 12},
+                                     {"role": "user", "content": "Find the bug in the scheduler."}],
+                                    add_generation_prompt=True)
+    settings = dict(SETTINGS, solo_fast_path=solo)
+    engine = AsyncEngine(loaded, EngineConfig(**settings)).start()
+    try:
+        (out1, _), = run(engine, [turn1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        # The history keeps the answer (the last 8 tokens) but not the reasoning before it.
+        turn2 = turn1 + out1[16:] + tok.encode("<|im_end|>\n<|im_start|>user\nAnd now?<|im_end|>\n"
+                                               "<|im_start|>assistant\n")
+        (out2, cached2), = run(engine, [turn2])
+    finally:
+        engine.stop()
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
+    try:
+        (reference, _), = run(off, [turn2])
+    finally:
+        off.stop()
+    assert out2 == reference
+    assert len(turn1) - 1 <= cached2 <= len(turn1)

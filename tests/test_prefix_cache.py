@@ -16,7 +16,7 @@ from parity import check_hits_give_the_same_tokens, check_restart_from_disk, gre
 
 # (shape, engine settings): gemma3-tiny has a 16-token sliding window on 3 of 4
 # layers and lfm2-tiny recurrent (short-conv) layers beside attention, whose
-# state exists only at block ends: its hits are whole blocks.
+# state exists only at block ends and prompt tails: hits elsewhere are whole blocks.
 BLOCK_GRANULAR = {"lfm2-tiny"}
 CASES = {
     "llama-tiny": dict(block_size=16, prefill_chunk_size=32),

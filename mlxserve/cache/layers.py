@@ -196,11 +196,12 @@ def missing_leaves(payload, specs) -> list[int]:
     ]
 
 
-def needed_blocks(spec, num_tokens: int, block_size: int):
+def needed_blocks(spec, num_tokens: int, block_size: int, state_end: int | None = None):
     """Block index ranges [a, b) that a restore at `num_tokens` reads for one layer.
 
-    None when this layer cannot be restored there (a recurrent state exists
-    only at block ends).
+    None when this layer cannot be restored there: a recurrent state exists
+    only at the end of a block, a full one or, at `state_end`, a partial one
+    (a prompt's or a finished sequence's tail).
     """
     nb = -(-num_tokens // block_size)
     kind = spec[0]
@@ -215,13 +216,13 @@ def needed_blocks(spec, num_tokens: int, block_size: int):
             ranges.insert(0, (0, -(-keep // block_size)))
         return ranges
     if kind == "state":
-        return [(nb - 1, nb)] if num_tokens % block_size == 0 else None
+        return [(nb - 1, nb)] if num_tokens % block_size == 0 or num_tokens == state_end else None
     if kind == "positions":
         return []
     if kind == "list":
         ranges = []
         for sub in spec[1]:
-            r = needed_blocks(sub, num_tokens, block_size)
+            r = needed_blocks(sub, num_tokens, block_size, state_end)
             if r is None:
                 return None
             ranges += r
@@ -599,7 +600,7 @@ def _gather(entries, block_size, ranges, pick):
     return mx.concatenate(parts, axis=2)
 
 
-def _restore_layer(t, entries, num_tokens, block_size):
+def _restore_layer(t, entries, num_tokens, block_size, state_end):
     if isinstance(t, PositionState):
         return PositionState()
     if isinstance(t, (KVCache, QuantizedKVCache)):
@@ -639,8 +640,8 @@ def _restore_layer(t, entries, num_tokens, block_size):
         return c
     if isinstance(t, ArraysCache):
         last = entries[-1]
-        if block_size is not None and num_tokens != len(entries) * block_size:
-            raise ValueError(f"a recurrent state is only kept at block ends, not at token {num_tokens}")
+        if num_tokens != state_end:
+            raise ValueError(f"the recurrent state is kept at token {state_end}, not {num_tokens}")
         if not isinstance(last, State) or len(last.arrays) != len(t.cache):
             raise ValueError("the block ending the prefix lacks the recurrent state")
         c = ArraysCache(len(last.arrays))
@@ -650,18 +651,21 @@ def _restore_layer(t, entries, num_tokens, block_size):
         subs = []
         for j, sub in enumerate(t.caches):
             sub_entries = [None if e is None else e.parts[j] for e in entries]
-            subs.append(_restore_layer(sub, sub_entries, num_tokens, block_size))
+            subs.append(_restore_layer(sub, sub_entries, num_tokens, block_size, state_end))
         return CacheList(*subs)
     raise TypeError(f"{type(t).__name__} layers cannot be restored from blocks")
 
 
-def restore_cache(model, payloads, num_tokens: int, *, block_size: int | None = None) -> list:
+def restore_cache(model, payloads, num_tokens: int, *, block_size: int | None = None,
+                  state_end: int | None = None) -> list:
     """A fresh single-sequence prompt cache (as `make_prompt_cache(model)` gives)
     holding exactly the first `num_tokens` tokens' state.
 
     `payloads` are the payloads of the blocks covering those tokens, in
     order; sliding-window layers read only the blocks inside their window,
-    recurrent layers only the last block (which must end at `num_tokens`).
+    recurrent layers only the last block, whose state sits at `state_end`
+    (default: the blocks' end; a partial last block ends sooner), which must
+    be `num_tokens`.
     The result works for a `generate_step`-style loop and for
     `BatchGenerator.insert(caches=[...])` (its `merge` takes these classes).
     """
@@ -673,12 +677,15 @@ def restore_cache(model, payloads, num_tokens: int, *, block_size: int | None = 
     if len(payloads) < n_blocks:
         raise ValueError(f"{len(payloads)} blocks cannot hold {num_tokens} tokens")
     payloads = payloads[:n_blocks]
+    if state_end is None:
+        state_end = n_blocks * block_size if block_size else num_tokens
     for p in payloads:
         if len(p) != len(template):
             raise ValueError(f"payload has {len(p)} layers, the model {len(template)}")
     stacked = _restore_stacked(payloads, num_tokens)
     return [
-        stacked[i] if i in stacked else _restore_layer(t, [p[i] for p in payloads], num_tokens, block_size)
+        stacked[i] if i in stacked else _restore_layer(t, [p[i] for p in payloads], num_tokens, block_size,
+                                                       state_end)
         for i, t in enumerate(template)
     ]
 

@@ -176,19 +176,26 @@ class PrefixCache:
         partial = False
         try:
             num = self._restorable(blocks, specs, best) if blocks else 0
-            keep = -(-num // bs)
+            # Past the last whole block: the best cached continuation, token by token. With
+            # recurrent layers only a whole tail (its state sits at its end), after every
+            # block found: those may lack the state a restore at their own end needs.
+            start = found * bs if has_state else num
+            keep, tail = -(-num // bs), None
+            if start % bs == 0 and start < usable:
+                for child, n in self._partial_children(hashes[start // bs - 1] if start else None,
+                                                       token_ids[start:usable], _extra_at(extra_keys, start // bs)):
+                    if has_state and n != len(child.token_ids):
+                        continue
+                    head = blocks[:start // bs]
+                    if self._restorable(head + [child], specs, start + n, state_end=start + n) == start + n:
+                        keep, tail, num = len(head), child, start + n
+                        break
             self.pool.release(blocks[keep:])
             blocks = blocks[:keep]
-            if not has_state and num == keep * bs and num < usable:
-                # Past the last whole block: the best cached continuation, token by token.
-                for child, n in self._partial_children(hashes[keep - 1] if keep else None,
-                                                       token_ids[num:usable], _extra_at(extra_keys, keep)):
-                    if self._restorable(blocks + [child], specs, num + n) == num + n:
-                        blocks += self.pool.lookup([child.hash])
-                        self.pool.touch_child(child)
-                        num += n
-                        partial = True
-                        break
+            if tail is not None:
+                blocks += self.pool.lookup([tail.hash])
+                self.pool.touch_child(tail)
+                partial = True
         except Exception:
             self.pool.release(blocks)
             raise
@@ -252,11 +259,12 @@ class PrefixCache:
         keeps the recurrent state (the runner cuts prefill passes there).
 
         A recurrent layer's state exists only where the cache ends, so a restore
-        can start only where a prefill pass once stopped at a block end: every
-        `checkpoint_interval` blocks, and always at the last block end before
-        `end`, where a repeat of the prompt or an agent's next turn (which drops
-        this turn's reasoning) continues from. Empty for models without
-        recurrent layers, whose every block can be restored anywhere.
+        can start only where a prefill pass once stopped: every
+        `checkpoint_interval` blocks, at the last block end before `end`, and at
+        the prompt's tail (`prompt_tail_end`), where a repeat of the prompt or an
+        agent's next turn (which drops this turn's reasoning) continues from.
+        Empty for models without recurrent layers, whose every block can be
+        restored anywhere.
         """
         if self.disabled or not self._has_state(self.specs):
             return []
@@ -268,18 +276,27 @@ class PrefixCache:
         last = (end - 1) // bs * bs
         if last > start:
             points.add(last)
+        if end - 1 > start:
+            points.add(end - 1)  # the prompt's tail (prompt_tail_end)
         if end % bs == 0:
             points.add(end)  # no pause: the prefill ends there, and the state is kept
         return sorted(points)
 
-    @property
-    def tails_at_prompt_end(self) -> bool:
-        """Whether a prompt's partial last block is worth storing as soon as it is prefilled
-        (`finished=True` then): with sliding-window layers, by the time decoding completes
-        that block its first tokens have left the window, and a repeat of the prompt could
-        only restore up to the block before."""
+    def prompt_tail_end(self, prompt_len: int) -> int | None:
+        """Where a prompt's partial last block is worth storing as soon as prefill reaches
+        it (`finished=True` then), or None.
+
+        With recurrent layers: at the prompt's last token but one, with the state
+        there, so a repeat of the prompt (which must leave one token to compute)
+        and an agent's next turn (which parts from this one where its reasoning
+        began) restore all of it. With sliding-window layers: at its end, since by
+        the time decoding completes that block its first tokens have left the
+        window, and a repeat could only restore up to the block before.
+        """
         kinds = spec_kinds(self.specs or ())
-        return not self.disabled and "window" in kinds and "state" not in kinds
+        if self.disabled or not {"window", "state"} & kinds:
+            return None
+        return prompt_len - 1 if "state" in kinds else prompt_len
 
     @staticmethod
     def _has_state(specs) -> bool:
@@ -312,7 +329,7 @@ class PrefixCache:
                 found.append((child, n))
         return sorted(found, key=lambda cn: -cn[1])
 
-    def _restorable(self, blocks, specs, best: int) -> int:
+    def _restorable(self, blocks, specs, best: int, state_end: int | None = None) -> int:
         """The largest p <= best that every layer can be restored at from `blocks`; 0 if none.
 
         Blocks may lack a layer's payload (sliding-window tokens stored after
@@ -336,7 +353,7 @@ class PrefixCache:
             missing[i] = counts
         for p in candidates:
             for i, spec in enumerate(leaf_specs):
-                ranges = needed_blocks(spec, p, bs)
+                ranges = needed_blocks(spec, p, bs, state_end)
                 if ranges is None:
                     break
                 counts = missing.get(i)
@@ -352,7 +369,10 @@ class PrefixCache:
             return None
         try:
             payloads = [b.payload for b in match.blocks]
-            caches = restore_cache(model, payloads, match.num_tokens, block_size=self.block_size)
+            blocks = match.blocks
+            state_end = (len(blocks) - 1) * self.block_size + blocks[-1].num_tokens  # a tail ends early
+            caches = restore_cache(model, payloads, match.num_tokens, block_size=self.block_size,
+                                   state_end=state_end)
             mx.eval([v for _, v in tree_flatten([c.state for c in caches]) if isinstance(v, mx.array)])
             return caches
         except Exception as e:  # noqa: BLE001
@@ -426,12 +446,12 @@ class PrefixCache:
         hashes = self._hashes(token_ids, n_full, extra_keys, hashes)
         leaf_specs = flat_specs(specs)
 
-        def extract(start, n, only=None, size=bs):
+        def extract(start, n, only=None, size=bs, states=state):
             if row is None:
-                payloads = extract_blocks(layers, start, size, n, num_tokens=upto_tokens, layers=only, states=state)
+                payloads = extract_blocks(layers, start, size, n, num_tokens=upto_tokens, layers=only, states=states)
             else:
                 payloads = extract_blocks_from_batch(layers, row, start, size, n, num_tokens=upto_tokens,
-                                                     layers=only, states=state)
+                                                     layers=only, states=states)
             mx.eval([a for p in payloads for a in payload_arrays(p)])
             for j, payload in enumerate(payloads):
                 for spec, e in zip(leaf_specs, flat_entries(payload, specs)):
@@ -470,10 +490,11 @@ class PrefixCache:
                     pool.note_root(content_key(token_ids, bs, extra_keys), self.fingerprint)
                 done += 1
             k = end
-        if finished and upto > n_full * bs and not self._has_state(specs):
-            tail = upto - n_full * bs
+        if finished and upto > n_full * bs:
+            tail = upto - n_full * bs  # its recurrent state, if any, is where the cache ends: at its end
             done += self._store_tail(hashes[n_full - 1] if n_full else None, token_ids[n_full * bs : upto],
-                                     _extra_at(extra_keys, n_full), lambda: extract(n_full * bs, 1, size=tail)[0])
+                                     _extra_at(extra_keys, n_full),
+                                     lambda: extract(n_full * bs, 1, size=tail, states=True)[0])
         return done
 
     def _store_tail(self, parent, tokens, block_extra, extract) -> int:

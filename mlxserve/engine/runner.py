@@ -152,7 +152,7 @@ class SoloDecoder:
             self.in_cache += self.todo
             self.todo = []
             self.prompt_inputs = None  # its embeddings are no longer needed
-            self.store_blocks(tail=self.prefix_cache is not None and self.prefix_cache.tails_at_prompt_end)
+            self.store_blocks()
             # The first token goes out as soon as it is ready: queuing the next step
             # first (as generate_step does) would hold it back by a whole step's graph
             # building, 5-15 ms of host work per step on a GPU.
@@ -176,14 +176,15 @@ class SoloDecoder:
             self.in_cache.append(token)
         return _event(seq, token, seq.finish_reason(token), row)
 
-    def store_blocks(self, finished: bool = False, tail: bool = False) -> None:
-        """Hand every full block now in the cache to the prefix cache (and, when the
-        sequence is done or `tail` asks, the partial block after them)."""
-        if self.prefix_cache is not None:
+    def store_blocks(self, finished: bool = False) -> None:
+        """Hand every full block now in the cache to the prefix cache (and the partial block
+        after them when the sequence is done, or at the prompt's tail end)."""
+        pc = self.prefix_cache
+        if pc is not None:
             n = len(self.in_cache)
-            self.prefix_cache.store_from_cache(self.cache, self.in_cache, n, self.seq.extra_keys,
-                                               hashes=self.seq.block_hashes, finished=finished or tail,
-                                               state=finished or n in self.seq.checkpoints)
+            tail = finished or n == pc.prompt_tail_end(len(self.seq.request.prompt_token_ids))
+            pc.store_from_cache(self.cache, self.in_cache, n, self.seq.extra_keys, hashes=self.seq.block_hashes,
+                                finished=tail, state=finished or n in self.seq.checkpoints)
 
     def handover(self) -> tuple[TokenEvent | None, list[int], list[int]]:
         """Stop solo decoding at a token boundary.
@@ -410,15 +411,15 @@ class Runner:
         each row's cache holds.
         """
         batch = self.generator._prompt_batch
-        tails = self.prefix_cache.tails_at_prompt_end
         for row, uid in enumerate(batch.uids):
             seq = self.batch.get(uid)
             if seq is not None:
                 tokens = batch.tokens[row]
-                prompt_done = len(tokens) >= len(seq.request.prompt_token_ids) - 1  # the last is decode's
+                # A row's prefill ends a token short of its prompt: the last token is decode's.
+                prompt_len = len(seq.request.prompt_token_ids)
+                tail = self.prefix_cache.prompt_tail_end(prompt_len) is not None and len(tokens) >= prompt_len - 1
                 self.prefix_cache.store_from_batch(batch.prompt_cache, row, tokens, len(tokens),
-                                                   seq.extra_keys, hashes=seq.block_hashes,
-                                                   finished=tails and prompt_done,
+                                                   seq.extra_keys, hashes=seq.block_hashes, finished=tail,
                                                    state=len(tokens) in seq.checkpoints)
 
     def reset(self) -> list[Sequence]:
