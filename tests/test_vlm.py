@@ -17,9 +17,11 @@ from mlxserve.engine.engine import AsyncEngine
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.models.shapes import SHAPES
 from mlxserve.models.load import load
+from mlxserve.models.vlm_generic import FAMILIES as GENERIC_FAMILIES
 from mlxserve.multimodal.prompt import chat_prompt
 
 VLMS = ["qwen2.5-vl-tiny", "gemma3-vl-tiny", "llava-tiny"]
+GENERIC_VLMS = ["qwen3-vl-tiny", "qwen3.5-vl-tiny", "gemma4-vl-tiny"]  # mlxserve/models/vlm_generic.py
 
 
 def picture(seed, size=(100, 120)):
@@ -66,7 +68,7 @@ def fresh(req: Request) -> Request:
     return Request(req.prompt_token_ids, req.params, images=req.images)
 
 
-@pytest.mark.parametrize("shape", VLMS)
+@pytest.mark.parametrize("shape", VLMS + GENERIC_VLMS)
 def test_image_caches_never_change_tokens(tiny, shape):
     check_image_caches_never_change_tokens(tiny(shape))
 
@@ -409,7 +411,7 @@ def test_image_example_runs(vlm_server):
     assert second > first  # the second question reuses the image's blocks, not only the text before it
 
 
-@pytest.mark.parametrize("shape", VLMS)
+@pytest.mark.parametrize("shape", VLMS + GENERIC_VLMS)
 def test_tower_run_in_slices_gives_the_same_tokens(tiny, shape):
     """vision_step_ms tiny: the tower pauses after every block, between decode steps of a text request."""
     loaded = tiny(shape)
@@ -436,7 +438,38 @@ def test_tower_run_in_slices_gives_the_same_tokens(tiny, shape):
     assert got == ref and got_text == ref_text
 
 
-@pytest.mark.parametrize("shape", VLMS)
+def mlx_vlm_forward(vision, ids: list[int], **image_inputs):
+    """mlx-vlm's own whole-prompt pass: its get_input_embeddings over the prompt with all its
+    images, then its language model with everything that gives beside the embeddings (M-RoPE
+    positions, deepstack rows, per-layer inputs), with the model's own caches. (Model.__call__
+    is not used: Gemma 3's and LLaVA's attend both ways.) Returns (last logits, lm, cache)."""
+    import mlx.core as mx
+    from mlx_vlm.models.cache import KVCache
+
+    ids = mx.array([ids])
+    emb = vision.model.get_input_embeddings(ids, mask=mx.ones(ids.shape), **image_inputs)
+    extra = {k: v for k, v in emb.to_dict().items()
+             if v is not None and k not in ("inputs_embeds", "attention_mask_4d")}
+    lm = vision.model.language_model
+    if vision.family in GENERIC_FAMILIES:  # mlx-vlm's own cache classes, not mlxserve's
+        cache = lm.make_cache() if hasattr(lm, "make_cache") else [KVCache() for _ in lm.layers]
+    else:
+        cache = vision.text_model.make_cache()[: vision.text_model.n_layers]
+    return lm(ids, inputs_embeds=emb.inputs_embeds, cache=cache, **extra).logits[0, -1], lm, cache
+
+
+def mlx_vlm_greedy(vision, ids: list[int], n: int, **image_inputs) -> list[int]:
+    """Greedy tokens of `mlx_vlm_forward`, decoded on by mlx-vlm's language model."""
+    import mlx.core as mx
+
+    logits, lm, cache = mlx_vlm_forward(vision, ids, **image_inputs)
+    want = [mx.argmax(logits).item()]
+    while len(want) < n:
+        want.append(mx.argmax(lm(mx.array([[want[-1]]]), cache=cache).logits[0, -1]).item())
+    return want
+
+
+@pytest.mark.parametrize("shape", VLMS + GENERIC_VLMS)
 def test_engine_matches_mlx_vlms_own_forward_pass(tiny, shape):
     """The adapters' split (tower alone, embeddings per chunk, text tail on the text path,
     M-RoPE from cache offset + delta) gives mlx-vlm's own whole-prompt greedy tokens."""
@@ -450,19 +483,106 @@ def test_engine_matches_mlx_vlms_own_forward_pass(tiny, shape):
         (got, _), = run(engine, req)
     finally:
         engine.stop()
-    ids, image = mx.array([req.prompt_token_ids]), req.images[0].pixels
+    image = req.images[0].pixels
     extra = {"image_grid_thw": mx.array([image.grid_thw])} if image.grid_thw else {}
-    emb = vision.model.get_input_embeddings(ids, mx.array(vision.pixels(image)), mask=mx.ones(ids.shape), **extra)
-    lm = vision.model.language_model
-    cache = vision.text_model.make_cache()[: vision.text_model.n_layers]
-    rope = {}
-    if getattr(emb, "position_ids", None) is not None:
-        rope = {"position_ids": emb.position_ids, "rope_deltas": emb.rope_deltas}
-    logits = lm(ids, inputs_embeds=emb.inputs_embeds, cache=cache, **rope).logits
-    want = [mx.argmax(logits[0, -1]).item()]
-    while len(want) < 8:
-        want.append(mx.argmax(lm(mx.array([[want[-1]]]), cache=cache).logits[0, -1]).item())
-    assert got == want
+    assert got == mlx_vlm_greedy(vision, req.prompt_token_ids, 8, pixel_values=mx.array(vision.pixels(image)), **extra)
+
+
+def image_inputs(vision, images) -> dict:
+    """mlx-vlm's image inputs for a prompt's images (PromptImages), as its processors give them."""
+    import mlx.core as mx
+
+    pixels = [vision.pixels(im.pixels) for im in images]
+    if images[0].pixels.grid_thw is None:  # Gemma 4: a list of differently sized images, one by one
+        return {"pixel_values": [mx.array(p) for p in pixels] if len(pixels) > 1 else mx.array(pixels[0])}
+    return {"pixel_values": mx.array(np.concatenate(pixels)),
+            "image_grid_thw": mx.array([im.pixels.grid_thw for im in images])}
+
+
+@pytest.mark.parametrize("shape", GENERIC_VLMS)
+def test_generic_chunks_give_mlx_vlms_logits(tiny, shape):
+    """The generic adapter's chunk inputs (text rows, image rows spliced in, deepstack rows,
+    per-layer inputs) over chunks cut through both images give mlx-vlm's whole-prompt logits.
+    (Closer than greedy tokens: Gemma 4's per-layer inputs move the dummy model's logits by ~0.01.)"""
+    import mlx.core as mx
+
+    loaded = tiny(shape)
+    vision = loaded.vision
+    req = chat_request(loaded, [("user", [picture(31), "and", picture(32, (30, 30)), "Compare them."])])
+    ids, images = req.prompt_token_ids, req.images
+    feats = [vision.encode(im.pixels) for im in images]
+    if shape == "qwen3-vl-tiny":  # each image token's embedding and its 2 deepstack rows
+        assert feats[0].shape == (images[0].num_tokens, 3, 64)
+    positions = vision.positions(ids, [im.pixels for im in images])[0]
+    cache = vision.text_model.make_cache()
+    for a in range(0, len(ids), 5):
+        b = min(a + 5, len(ids))
+        spans = [(max(a, im.start) - a, f[max(a, im.start) - im.start : min(b, im.start + im.num_tokens) - im.start])
+                 for im, f in zip(images, feats) if im.start < b and im.start + im.num_tokens > a]
+        logits = vision.text_model(mx.array([ids[a:b]]), cache=cache, **vision.inputs(ids[a:b], spans),
+                                   positions=None if positions is None else positions[..., a:b])
+    want, _, _ = mlx_vlm_forward(vision, ids, **image_inputs(vision, images))
+    assert mx.abs(logits[0, -1] - want).max().item() < 1e-3
+
+
+@pytest.mark.parametrize("shape", GENERIC_VLMS)
+def test_generic_two_images_in_one_message_match_mlx_vlm(tiny, shape):
+    loaded = tiny(shape)
+    req = chat_request(loaded, [("user", [picture(31), "and", picture(32, (30, 30)), "Compare them."])], max_tokens=8)
+    assert len(req.images) == 2 and req.images[0].num_tokens != req.images[1].num_tokens
+    engine = AsyncEngine(loaded, EngineConfig(prefill_chunk_size=5)).start()
+    try:
+        (got, _), = run(engine, req)
+    finally:
+        engine.stop()
+    assert got == mlx_vlm_greedy(loaded.vision, req.prompt_token_ids, 8, **image_inputs(loaded.vision, req.images))
+
+
+@pytest.mark.parametrize("shape", GENERIC_VLMS)
+def test_generic_text_prompts_batch_through_mlx_vlms_language_model(tiny, shape):
+    """Text prompts of different lengths prefilled in one batch (right-padded), and a prefix-cache
+    hit beside a new prompt, give each prompt's tokens alone (mlx-vlm's Qwen3.5 takes padding into
+    its recurrent state: its prompts are prefilled one at a time)."""
+    loaded = tiny(shape)
+    long = chat_request(loaded, [("user", ["A long question about the sea, lighthouses and ships at night. " * 4])])
+    short = chat_request(loaded, [("user", ["No picture here, just a question about lighthouses."])])
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False)).start()
+    try:
+        alone = [run(off, fresh(r))[0][0] for r in (long, short)]
+        together = [t for t, _ in run(off, fresh(long), fresh(short))]
+    finally:
+        off.stop()
+    cached = AsyncEngine(loaded, EngineConfig(block_size=16)).start()
+    try:
+        run(cached, fresh(long))
+        (hit, hit_cached), (new, _) = run(cached, fresh(long), fresh(short))
+    finally:
+        cached.stop()
+    assert together == alone and [hit, new] == alone and hit_cached > 0
+
+
+def test_gemma4_bidirectional_image_attention_is_refused_at_load(tmp_path):
+    from mlxserve.models.files import ModelLoadError
+
+    config = copy.deepcopy(SHAPES["gemma4-vl-tiny"])
+    config["text_config"]["use_bidirectional_attention"] = "vision"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="use_bidirectional_attention='vision'.*not supported"):
+        load(str(tmp_path / "config.json"), load_format="dummy", progress=False)
+    with pytest.raises(ModelLoadError, match="not supported"):  # a folder: refused before its weights are read
+        load(str(tmp_path), progress=False)
+
+
+def test_qwen3_vl_reads_its_preprocessor_size_bounds():
+    """Qwen3-VL's preprocessor_config.json gives `size: {shortest_edge, longest_edge}` in pixels
+    (no min/max_pixels): 65536 px at least, so a 224 px image is upscaled to 256 px, 64 tokens."""
+    from mlxserve.models.vlm_generic import _QwenImages
+
+    config = SHAPES["qwen3-vl-4b"]
+    images = _QwenImages(config, config["preprocessor_config"])
+    assert images.layout(picture(0, (224, 224))).num_tokens == 64
+    assert images.layout(picture(0, (1024, 1024))).num_tokens == 1024
+    assert images.layout(picture(0, (768, 1024))).num_tokens == 768
 
 
 def test_anthropic_client_sends_images(vlm_server):

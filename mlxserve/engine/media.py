@@ -156,7 +156,7 @@ class MediaPrefill:
         `prompt_inputs` (needed up to `self.end`, the last image's end)."""
         with mx.stream(generation_stream):
             self._ensure_positions()
-            return {"inputs_embeds": self._embeds(start, end),
+            return {**self._inputs(start, end),
                     "positions": None if self.positions is None else self.positions[..., start:end]}
 
     def handover_cache(self):
@@ -167,20 +167,22 @@ class MediaPrefill:
             self.cache[-1].set(self.delta)
         return self.cache
 
-    def _embeds(self, start: int, end: int):
+    def _inputs(self, start: int, end: int) -> dict:
+        """The language model's inputs for prompt tokens [start, end): embeddings, and the
+        family's per-chunk extras (Qwen3-VL's deepstack rows, Gemma 4's per-layer inputs)."""
         spans = []
         for i in self._needed(start, end):
             im = self.seq.request.images[i]
             lo, hi = max(start, im.start), min(end, im.start + im.num_tokens)
             spans.append((lo - start, self.features[i][lo - im.start : hi - im.start]))
-        return self.vision.embed(self.prompt[start:end], spans)
+        return self.vision.inputs(self.prompt[start:end], spans)
 
     def _prefill(self, start: int, end: int) -> None:
         if end > start:
-            embeds = self._embeds(start, end)
+            inputs = self._inputs(start, end)
             positions = None if self.positions is None else self.positions[..., start:end]
             tokens = mx.array(self.prompt[start:end])[None]
-            self.vision.text_model(tokens, cache=self.cache, positions=positions, inputs_embeds=embeds)
+            self.vision.text_model(tokens, cache=self.cache, positions=positions, **inputs)
             mx.eval([c.state for c in self.cache])
             self.done = end
             # Images wholly before the cached part are no longer needed.

@@ -26,11 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "gemma3", "llava")
+VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "gemma3", "llava")  # hand-written adapters, below
 
 
 def is_vlm_config(config: dict) -> bool:
-    return "vision_config" in config and config.get("model_type") in VLM_FAMILIES
+    from mlxserve.models.vlm_generic import FAMILIES
+
+    return "vision_config" in config and config.get("model_type") in (*VLM_FAMILIES, *FAMILIES)
 
 
 @dataclass
@@ -70,7 +72,21 @@ class TextModel:
     def __init__(self, language_model, mrope: bool):
         self.lm = language_model
         self.mrope = mrope
-        self.n_layers = len(language_model.layers)
+        made = language_model.make_cache() if hasattr(language_model, "make_cache") else None
+        if made is None:
+            made = [None] * len(language_model.layers)
+        self._kinds = []
+        for c in made:
+            kind = type(c).__name__ if c is not None else "KVCache"
+            if kind not in ("KVCache", "RotatingKVCache", "ArraysCache"):
+                raise ValueError(f"{type(language_model).__module__}: cache class {kind} is not supported")
+            self._kinds.append((kind, c))
+        if any(kind == "ArraysCache" for kind, _ in self._kinds):
+            add_recurrent_cache_methods()
+        # Layer caches: fewer than layers when the last layers share earlier KV (Gemma 4).
+        self.n_layers = len(self._kinds)
+        # Where the position offset is read: the first attention cache (a recurrent state has none).
+        self.offset_index = next((i for i, (kind, _) in enumerate(self._kinds) if kind != "ArraysCache"), 0)
 
     @property
     def layers(self):
@@ -79,15 +95,16 @@ class TextModel:
     def make_cache(self) -> list:
         # mlx-lm's cache classes (not mlx-vlm's copies): BatchGenerator merges
         # them into batched caches, and the prefix cache knows how to store them.
-        from mlx_lm.models.cache import KVCache, RotatingKVCache
+        from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
         from mlxserve.cache.layers import PositionState
 
         caches = []
-        made = self.lm.make_cache() if hasattr(self.lm, "make_cache") else [None] * self.n_layers
-        for c in made:
-            if type(c).__name__ == "RotatingKVCache":
+        for kind, c in self._kinds:
+            if kind == "RotatingKVCache":
                 caches.append(RotatingKVCache(max_size=c.max_size, keep=getattr(c, "keep", 0)))
+            elif kind == "ArraysCache":
+                caches.append(ArraysCache(len(c.cache)))
             else:
                 caches.append(KVCache())
         if self.mrope:
@@ -99,20 +116,68 @@ class TextModel:
         import mlx.core as mx
 
         B, L = inputs.shape
-        offset = cache[0].offset
+        offset = cache[self.offset_index].offset
         offset = mx.array(offset).reshape(-1, 1) if isinstance(offset, mx.array) else mx.full((1, 1), offset)
         start = offset + cache[-1].deltas(B)
         pos = start + mx.arange(L)[None]
         return mx.broadcast_to(pos[None], (3, B, L))
 
-    def __call__(self, inputs, cache=None, positions=None, inputs_embeds=None):
-        kwargs = {}
+    def __call__(self, inputs, cache=None, positions=None, inputs_embeds=None, **extras):
+        """`extras`: per-chunk inputs of a prompt chunk given as embeddings (deepstack rows,
+        per-layer inputs, media token types); decode steps pass tokens alone."""
+        kwargs = dict(extras)
         if self.mrope:
             if positions is None:
                 positions = self._decode_positions(inputs, cache) if cache is not None else None
             kwargs["position_ids"] = positions
         layer_cache = cache[: self.n_layers] if cache is not None else None
-        return self.lm(inputs, inputs_embeds=inputs_embeds, cache=layer_cache, **kwargs).logits
+        logits = self.lm(inputs, inputs_embeds=inputs_embeds, cache=layer_cache, **kwargs).logits
+        if cache is not None:
+            # Some language models replace entries of the list they get (mlx-vlm's Qwen3.5 runs
+            # left-padded batch rows one by one and merges their caches into new objects):
+            # the caller's list must hold those.
+            for i, c in enumerate(layer_cache):
+                if cache[i] is not c:
+                    cache[i] = c
+        return logits
+
+
+def add_recurrent_cache_methods() -> None:
+    """Give mlx-lm's ArraysCache the two methods mlx-vlm's Gated-DeltaNet layers call.
+
+    mlx-vlm's Qwen3.5 layers write their conv window and recurrent state through
+    `cache.update_window` / `cache.update_recurrent`, which only mlx-vlm's own
+    ArraysCache has. mlxserve keeps mlx-lm's class (BatchGenerator merges it, the
+    prefix cache stores it; both make plain ArraysCache objects, so a subclass
+    would be lost), and adds the methods to it: what mlx-vlm's do, less the
+    speculative-decoding history mlxserve never asks for. mlx-lm's own models
+    index the cache directly and never call them.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache
+
+    if hasattr(ArraysCache, "update_recurrent"):
+        return
+
+    def update_recurrent(self, index, length, update):
+        output, state = update(self.cache[index], None)[:2]
+        self.cache[index] = state
+        return output, state
+
+    def update_window(self, index, source, width, *, lengths=None):
+        width = int(width)
+        length = source.shape[1] - width
+        if lengths is None:
+            state = mx.contiguous(source[:, length : length + width])
+        else:
+            pos = mx.clip(lengths, 0, length)[:, None] + mx.arange(width)
+            pos = pos.reshape(*pos.shape, *([1] * (source.ndim - 2)))
+            state = mx.take_along_axis(source, pos, axis=1)
+        self.cache[index] = state
+        return state
+
+    ArraysCache.update_recurrent = update_recurrent
+    ArraysCache.update_window = update_window
 
 
 class VisionAdapter:
@@ -191,6 +256,11 @@ class VisionAdapter:
         if pos < text.shape[0]:
             pieces.append(text[pos:])
         return mx.concatenate(pieces)[None]
+
+    def inputs(self, token_ids, spans) -> dict:
+        """The language model's inputs for a prompt chunk given as embeddings: `inputs_embeds`,
+        plus whatever else the family needs per chunk (see the generic adapter)."""
+        return {"inputs_embeds": self.embed(token_ids, spans)}
 
     def positions(self, token_ids, images):
         """Rotary positions of a whole prompt, or None if plain (offset-based) positions are right."""
@@ -457,12 +527,24 @@ ADAPTERS = {"qwen2_5_vl": QwenVL, "qwen2_vl": QwenVL, "gemma3": Gemma3VL, "llava
 
 
 def make_adapter(model, config: dict, processor_config: dict, tokenizer) -> VisionAdapter:
-    return ADAPTERS[config["model_type"]](model, config, processor_config, tokenizer)
+    """The family's hand-written adapter, else the generic one (mlxserve/models/vlm_generic.py)."""
+    from mlxserve.models.vlm_generic import GenericVLM
+
+    return ADAPTERS.get(config["model_type"], GenericVLM)(model, config, processor_config, tokenizer)
+
+
+def check_supported(config: dict) -> None:
+    """Raise ModelLoadError for a VLM config that cannot be served exactly (before weights are read)."""
+    from mlxserve.models.vlm_generic import FAMILIES, check_supported
+
+    if config.get("model_type") in FAMILIES:
+        check_supported(config)
 
 
 def load_vlm_weights(folder):
     from mlx_vlm.utils import load_model
 
+    check_supported(json.loads((Path(folder) / "config.json").read_text()))
     return load_model(Path(folder))
 
 
@@ -475,6 +557,7 @@ def build_vlm(config: dict):
     """An mlx-vlm model object for `config` (weights not loaded)."""
     from mlx_vlm.utils import get_model_and_args
 
+    check_supported(config)
     arch, _ = get_model_and_args(config)
     model_config = arch.ModelConfig.from_dict(dict(config))
     model_config.vision_config = arch.VisionConfig.from_dict(config["vision_config"])

@@ -1,0 +1,279 @@
+"""One adapter for the mlx-vlm families that follow its common interface.
+
+mlx-vlm's models share `get_input_embeddings(input_ids, pixel_values, **image
+inputs)`: ids -> the language model's input embeddings, the media rows merged
+in, plus what the language model needs beside them (M-RoPE `position_ids`,
+Qwen3-VL's `deepstack_visual_embeds` and `visual_pos_masks`, Gemma 4's
+`per_layer_inputs`). This adapter uses it twice:
+
+- an image's rows: `get_input_embeddings([image token] * n, its pixels)`, so
+  the tower, projector and scaling are mlx-vlm's own; deepstack rows are kept
+  beside them (an image is one `[n, 1 + k, D]` array in the vision cache);
+- a prompt chunk: `get_input_embeddings(chunk ids)` without pixels gives the
+  text rows the way the family scales them and its per-layer inputs (media
+  ids zeroed); the image rows are spliced in, and the chunk's extras are
+  passed to the language model with them.
+
+What a family needs is read off the model (M-RoPE: the language model has
+`get_rope_index`; deepstack: `deepstack_visual_indexes`; bidirectional image
+attention: `use_bidirectional_attention`), and off the small FAMILIES table:
+its image processor and the tokens around an image. A new family that fits
+this interface is one FAMILIES entry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from mlxserve.models.vlm import ImageInput, VisionAdapter
+
+
+@dataclass(frozen=True)
+class Family:
+    processor: str  # "qwen": smart resize to a patch grid (Qwen3VLImageProcessor); "gemma4": aspect-preserving budget
+    wrap: tuple[str, str]  # config keys of the tokens before and after an image's run of image tokens
+
+
+FAMILIES = {
+    "qwen3_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id")),
+    "qwen3_5": Family("qwen", ("vision_start_token_id", "vision_end_token_id")),
+    "gemma4": Family("gemma4", ("boi_token_id", "eoi_token_id")),
+}
+
+# What get_input_embeddings may return beside the embeddings; a family giving more
+# (cross-attention states, encoder outputs) does not fit this path.
+_KNOWN_FEATURES = {"inputs_embeds", "position_ids", "rope_deltas", "per_layer_inputs", "visual_pos_masks",
+                   "deepstack_visual_embeds", "attention_mask_4d"}
+
+
+def qwen_image_processor(config: dict, pc: dict):
+    """Qwen's image processor from preprocessor_config.json: min/max pixels, or Qwen3-VL's
+    `size: {shortest_edge, longest_edge}` (the same bounds, in pixels)."""
+    from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor
+
+    vc = config["vision_config"]
+    size = pc.get("size") if isinstance(pc.get("size"), dict) else {}
+    return Qwen3VLImageProcessor(
+        patch_size=pc.get("patch_size", vc.get("patch_size", 14)),
+        merge_size=pc.get("merge_size", vc.get("spatial_merge_size", 2)),
+        temporal_patch_size=pc.get("temporal_patch_size", vc.get("temporal_patch_size", 2)),
+        min_pixels=pc.get("min_pixels", size.get("shortest_edge", 56 * 56)),
+        max_pixels=pc.get("max_pixels", size.get("longest_edge", 14 * 14 * 4 * 1280)),
+        image_mean=pc.get("image_mean"),
+        image_std=pc.get("image_std"),
+    )
+
+
+class _QwenImages:
+    """Qwen3-VL / Qwen3.5: the image smart-resized to multiples of patch x merge, one (1, h, w) grid."""
+
+    def __init__(self, config: dict, pc: dict):
+        self.proc = qwen_image_processor(config, pc)
+
+    def layout(self, image) -> ImageInput:
+        h, w = self.proc._resolved_size(image.height, image.width)
+        grid = (1, h // self.proc.patch_size, w // self.proc.patch_size)
+        return ImageInput(None, grid, math.prod(grid) // self.proc.merge_size**2)
+
+    def pixels(self, image) -> np.ndarray:
+        return np.asarray(self.proc(images=[image])["pixel_values"])
+
+    @staticmethod
+    def image_kwargs(inp: ImageInput) -> dict:
+        import mlx.core as mx
+
+        return {"image_grid_thw": mx.array([inp.grid_thw])}
+
+
+class _Gemma4Images:
+    """Gemma 4: resized within a patch budget (max_soft_tokens x pool^2), sides multiples of pool x patch."""
+
+    def __init__(self, config: dict, pc: dict):
+        from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor
+
+        self.proc = Gemma4ImageProcessor(**pc)
+
+    def layout(self, image) -> ImageInput:
+        from mlx_vlm.models.gemma4.processing_gemma4 import get_aspect_ratio_preserving_size
+
+        p, k = self.proc.patch_size, self.proc.pooling_kernel_size
+        h, w = get_aspect_ratio_preserving_size(image.height, image.width, p, self.proc.max_soft_tokens * k * k, k)
+        return ImageInput(None, None, (h // p) * (w // p) // (k * k))
+
+    def pixels(self, image) -> np.ndarray:
+        data, _ = self.proc([image.convert("RGB")])
+        pv = data["pixel_values"]
+        return np.asarray(pv) if isinstance(pv, np.ndarray) else np.asarray(pv[0])[None]
+
+    @staticmethod
+    def image_kwargs(inp: ImageInput) -> dict:
+        return {}
+
+
+_PROCESSORS = {"qwen": _QwenImages, "gemma4": _Gemma4Images}
+
+
+def _qwen3_5_row_caches() -> None:
+    """Let mlx-vlm's Qwen3.5 split mlx-lm's batch caches into rows.
+
+    Qwen3_5Model.__call__ runs a one-row batch (and a left-padded one) row by
+    row, cutting each cache with `_extract_row_cache`, which knows mlx-vlm's
+    cache classes only: an empty mlx-lm cache of a recurrent layer becomes an
+    (mlx-vlm) KVCache, and the layer fails. Here mlx-lm's ArraysCache gives
+    its row's arrays (and lengths), an empty batch KV cache an empty KVCache.
+    """
+    import mlx_vlm.models.qwen3_5.language as qwen3_5
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    original = qwen3_5._extract_row_cache
+    if getattr(original, "mlxserve", False):
+        return
+
+    def extract_row_cache(entry, row: int):
+        if isinstance(entry, ArraysCache):
+            out = ArraysCache(len(entry.cache))
+            out.cache = [None if a is None else a[row : row + 1] for a in entry.cache]
+            if entry.lengths is not None:
+                out.lengths = entry.lengths[row : row + 1]
+            return out
+        if hasattr(entry, "left_padding") and hasattr(entry, "empty") and entry.empty():
+            return KVCache()
+        return original(entry, row)
+
+    extract_row_cache.mlxserve = True
+    qwen3_5._extract_row_cache = extract_row_cache
+
+
+_PATCHES = {"qwen3_5": _qwen3_5_row_caches}  # fixes for mlx-vlm code that meets mlx-lm's batch caches
+
+
+def tower_blocks(tower) -> list:
+    """The tower's transformer blocks, wherever the family keeps them."""
+    for path in ("blocks", "encoder.layers", "vision_model.encoder.layers", "layers"):
+        obj = tower
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+        if obj is not None:
+            return list(obj)
+    return []
+
+
+def check_supported(config: dict) -> None:
+    """Refuse, before any weight is read, what this path cannot serve exactly."""
+    from mlxserve.models.files import ModelLoadError
+
+    text = config.get("text_config") or config
+    if text.get("use_bidirectional_attention") == "vision":
+        raise ModelLoadError(
+            f"{config['model_type']} with use_bidirectional_attention='vision' (attention both ways within each "
+            "image, as in Gemma 4 26B-A4B/31B) is not supported yet: mlx-vlm drops it whenever a prompt chunk "
+            "follows cached tokens, so chunked prefill and prefix-cache hits would change the model's tokens")
+
+
+class GenericVLM(VisionAdapter):
+    """Any FAMILIES model: images through mlx-vlm's get_input_embeddings, per-chunk extras passed on."""
+
+    def __init__(self, model, config, processor_config, tokenizer):
+        self.family = config["model_type"]
+        spec = FAMILIES[self.family]
+        lm, cfg = model.language_model, model.config
+        self.mrope = hasattr(lm, "get_rope_index")  # Qwen3-VL, Qwen3.5: M-RoPE positions from the image grids
+        self.deepstack = bool(getattr(cfg.vision_config, "deepstack_visual_indexes", None))  # Qwen3-VL
+        check_supported(config)
+        if self.family in _PATCHES:
+            _PATCHES[self.family]()
+        super().__init__(model, config, processor_config, tokenizer)
+        self.images = _PROCESSORS[spec.processor](config, processor_config)
+        self.image_token_id = config.get("image_token_id", config.get("image_token_index"))
+        start, end = (config.get(key) for key in spec.wrap)
+        if self.image_token_id is None or start is None or end is None:
+            raise ValueError(f"{self.family}: config.json lacks the image token ids "
+                             f"(image_token_id, {spec.wrap[0]}, {spec.wrap[1]})")
+        self._wrap = (self.token_text(start), self.token_text(self.image_token_id), self.token_text(end))
+        self._deltas: OrderedDict[tuple, int] = OrderedDict()  # image grids -> M-RoPE delta
+
+    def tower_blocks(self) -> list:
+        return tower_blocks(self.model.vision_tower)
+
+    def _layout(self, image) -> ImageInput:
+        return self.images.layout(image)
+
+    def _pixels(self, image) -> np.ndarray:
+        return self.images.pixels(image)
+
+    def placeholder(self, image: ImageInput) -> str:
+        start, pad, end = self._wrap
+        return start + pad * image.num_tokens + end
+
+    def encode(self, image: ImageInput):
+        """The image's rows as mlx-vlm's own merge places them: [n, D], or [n, 1 + k, D] with
+        Qwen3-VL's k deepstack rows beside each token's embedding."""
+        import mlx.core as mx
+
+        ids = mx.array([[self.image_token_id] * image.num_tokens])
+        f = self.model.get_input_embeddings(ids, mx.array(self.pixels(image)), mask=mx.ones(ids.shape),
+                                            **self.images.image_kwargs(image))
+        extra = {k for k, v in f.to_dict().items() if v is not None} - _KNOWN_FEATURES
+        if extra:
+            raise ValueError(f"{self.family}: mlx-vlm's get_input_embeddings also gives {sorted(extra)}, "
+                             "which this adapter does not pass to the language model")
+        rows = f.inputs_embeds[0]
+        if self.deepstack:
+            rows = mx.stack([rows, *f.deepstack_visual_embeds], axis=1)
+        return rows
+
+    def inputs(self, token_ids, spans) -> dict:
+        """Embeddings of a prompt chunk (the family's own text rows, image rows spliced in at
+        `spans`) and the chunk's extras: its deepstack rows, its per-layer inputs."""
+        import mlx.core as mx
+
+        ids = mx.array(token_ids)[None]
+        text = self.model.get_input_embeddings(ids)
+        emb = text.inputs_embeds[0]
+        pieces, deep, pos = [], [], 0
+        for start, rows in sorted(spans, key=lambda s: s[0]):
+            if start > pos:
+                pieces.append(emb[pos:start])
+            pieces.append((rows[:, 0] if rows.ndim == 3 else rows).astype(emb.dtype))
+            if rows.ndim == 3:
+                deep.append(rows[:, 1:])
+            pos = start + rows.shape[0]
+        if pos < emb.shape[0]:
+            pieces.append(emb[pos:])
+        out = {"inputs_embeds": mx.concatenate(pieces)[None] if spans else emb[None]}
+        if deep:
+            rows = mx.concatenate(deep).astype(emb.dtype)  # the chunk's image tokens, in prompt order
+            out["visual_pos_masks"] = ids == self.image_token_id
+            out["deepstack_visual_embeds"] = [rows[:, j] for j in range(rows.shape[1])]
+        if getattr(text, "per_layer_inputs", None) is not None:
+            out["per_layer_inputs"] = text.per_layer_inputs
+        return out
+
+    def embed(self, token_ids, spans):
+        return self.inputs(token_ids, spans)["inputs_embeds"]
+
+    def positions(self, token_ids, images):
+        if not self.mrope:
+            return None, 0
+        import mlx.core as mx
+
+        grids = [im.grid_thw for im in images]
+        pos, delta = self.model.language_model.get_rope_index(mx.array([token_ids]), mx.array(grids), None, None)
+        delta = int(delta.reshape(-1)[0].item())
+        self._deltas[tuple(grids)] = delta
+        while len(self._deltas) > 1024:
+            self._deltas.popitem(last=False)
+        return pos, delta
+
+    def rope_delta(self, token_ids, images) -> int:
+        # As for Qwen2.5-VL: the delta is a function of the image grids alone.
+        key = tuple(im.grid_thw for im in images)
+        delta = self._deltas.get(key)
+        if delta is None:
+            return self.positions(token_ids, images)[1]
+        self._deltas.move_to_end(key)
+        return delta
