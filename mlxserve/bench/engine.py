@@ -133,7 +133,7 @@ def bench_model(spec: dict, args, concurrency: list[int]) -> dict:
     print(f"\n== {spec['label']}: loading", file=sys.stderr, flush=True)
     loaded = load(spec["source"], load_format=spec["load_format"],
                   quantize_bits=spec["quantize_bits"], dtype=args.dtype)
-    vocab = loaded.config.get("vocab_size", 32000)
+    vocab = loaded.vocab_size or 32000
     model = loaded.model
     max_c = max(concurrency)
     chunk = EngineConfig().prefill_chunk_size

@@ -48,6 +48,12 @@ def add_parser(sub) -> None:
     p.add_argument("--turns", type=int, default=8, help="Turns of the agent trace (0 skips it).")
     p.add_argument("--disk-lens", default="2048", help="Prefix lengths of the disk-tier table ('' skips it).")
     p.add_argument("--answer-len", type=int, default=32, help="Tokens per answer in the agent trace.")
+    p.add_argument("--reasoning-len", type=int, default=128,
+                   help="Tokens of reasoning before each answer in the agent trace, dropped from the next "
+                        "turn's history as Qwen3.5's and gpt-oss's templates do (0: none).")
+    p.add_argument("--checkpoint-intervals", default="1,4",
+                   help="Recurrent-state checkpoint intervals (blocks) to run the agent trace with, for "
+                        "models with recurrent layers.")
     p.add_argument("--repeats", type=int, default=2, help="Repeats of each timing; the best is kept.")
     p.add_argument("--out-dir", default="benchmarks")
     p.add_argument("--replot", metavar="JSON", help="Only redraw the PNG of an earlier result.")
@@ -192,8 +198,14 @@ def measure_disk(loaded, args, rng, vocab) -> list[dict]:
     return rows
 
 
-def agent_trace(loaded, args) -> list[dict]:
-    """Turns of a tool-using conversation, re-rendered with the chat template each turn."""
+def agent_trace(loaded, args, **settings) -> dict:
+    """Turns of a tool-using conversation, re-rendered with the chat template each turn.
+
+    Each answer follows `--reasoning-len` tokens of reasoning, which the next turn's
+    history drops (the agent "rewind": the prompt parts from what the cache holds right
+    where this turn's output began). Each turn's TTFT is compared with prefilling its
+    new (uncached) tokens alone, and with the floor: those plus attending to the rest.
+    """
     from mlxserve.engine.request import Request, SamplingParams
     from mlxserve.llm import render_chat
 
@@ -204,28 +216,81 @@ def agent_trace(loaded, args) -> list[dict]:
     questions = ["Where is the scheduler defined?", "What does it do when the queue is full?",
                  "Which tests cover it?", "Run them.", "Why did the second one fail?",
                  "Suggest a fix.", "Write the patch.", "Summarize the change for the commit message."]
-    engine = start_engine(loaded, args, cache_memory="50%")
+    engine = start_engine(loaded, args, cache_memory="50%", **settings)
+    off = start_engine(loaded, args, prefix_cache=False)
     rows = []
     try:
+        ttft(engine, tok.encode("warm up")), ttft(off, tok.encode("warm up"))
         for turn in range(args.turns):
             messages.append({"role": "user", "content": questions[turn % len(questions)]})
             prompt = render_chat(tok, messages, tools=TOOLS)
 
             async def one():
-                start, first, text, cached = time.perf_counter(), None, [], 0
-                params = SamplingParams(temperature=0, max_tokens=args.answer_len, ignore_eos=True)
+                start, first, ids, cached = time.perf_counter(), None, [], 0
+                params = SamplingParams(temperature=0, max_tokens=args.reasoning_len + args.answer_len,
+                                        ignore_eos=True)
                 async for out in engine.submit(Request(prompt, params)):
                     first = first or time.perf_counter() - start
-                    text.append(out.new_text)
+                    ids += out.new_token_ids
                     cached = out.cached_tokens
-                return first, time.perf_counter() - start, "".join(text), cached
+                return first, time.perf_counter() - start, ids, cached
 
-            first, total, answer, cached = asyncio.run(one())
-            messages.append({"role": "assistant", "content": answer})
-            rows.append({"turn": turn + 1, "prompt": len(prompt), "cached": cached, "ttft": first, "total": total})
+            first, total, ids, cached = asyncio.run(one())
+            messages.append({"role": "assistant", "content": tok.decode(ids[args.reasoning_len:])})
+            new = prompt[cached:]
+            alone = min(ttft(off, new)[0] for _ in range(args.repeats)) if cached else first
+            floor = alone + context_cost(loaded.model, prompt[:cached], new, kv_bits=args.kv_bits) if cached else first
+            rows.append({"turn": turn + 1, "prompt": len(prompt), "cached": cached, "ttft": first, "total": total,
+                         "new_alone": alone, "floor": floor})
+        stats = asyncio.run(engine.cache_stats())["prefix_cache"]
     finally:
         engine.stop()
-    return rows
+        off.stop()
+    return {"turns": rows, "settings": settings, "cache_bytes": stats["bytes"], "cache_tokens": stats["tokens"],
+            "layers": stats["layers"], "block_size": stats["block_size"]}
+
+
+def agent_traces(loaded, args) -> list[dict]:
+    """The agent trace, once per checkpoint interval for models with recurrent layers."""
+    from mlxserve.cache.layers import model_specs, spec_kinds
+
+    if "state" not in spec_kinds(model_specs(loaded.model)):
+        return [agent_trace(loaded, args)]
+    intervals = [int(x) for x in args.checkpoint_intervals.split(",")]
+    return [agent_trace(loaded, args, checkpoint_interval=k) for k in intervals]
+
+
+def trace_markdown(traces, args) -> list[str]:
+    from mlxserve.bench import report
+
+    md = ["## Agent trace\n",
+          f"System prompt with {len(TOOLS)} tools, history re-rendered with the chat template each turn; "
+          f"each answer ({args.answer_len} tokens) follows {args.reasoning_len} tokens of reasoning that the "
+          "next turn's history drops, so every turn parts from the cache where the previous turn's output "
+          "began. 'new alone': the turn's uncached tokens prefilled with no context; 'floor': those plus "
+          "attending to the cached context (model calls).\n"]
+    summary = []
+    for t in traces:
+        rows = t["turns"]
+        prompt, cached = sum(r["prompt"] for r in rows), sum(r["cached"] for r in rows)
+        later = rows[1:]
+        label = (f"checkpoints every {t['settings']['checkpoint_interval']} blocks"
+                 if "checkpoint_interval" in t["settings"] else "attention layers only")
+        ratios = [r["ttft"] / r["new_alone"] for r in later]
+        summary.append([label, f"{cached / prompt:.1%}", prompt - cached,
+                        f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "-",
+                        t["cache_bytes"] / 2**20, t["cache_bytes"] / max(1, t["cache_tokens"]) / 1024])
+        md += [f"### {label} ({t['block_size']}-token blocks)\n", report.table(
+            ["turn", "prompt tokens", "cached tokens", "new tokens", "TTFT ms", "new alone ms", "floor ms",
+             "TTFT/new alone", "TTFT/floor", "turn ms"],
+            [[r["turn"], r["prompt"], r["cached"], r["prompt"] - r["cached"], r["ttft"] * 1e3,
+              r["new_alone"] * 1e3, r["floor"] * 1e3, f"{r['ttft'] / r['new_alone']:.2f}x",
+              f"{r['ttft'] / r['floor']:.2f}x", r["total"] * 1e3] for r in rows]), ""]
+    md += ["### Summary\n", "Prompt tokens from the cache over all turns, tokens prefilled again, turns 2+ "
+           "TTFT against their new tokens alone, and what the cache held at the end (per token held).\n",
+           report.table(["run", "from cache", "tokens recomputed", "turns 2+ TTFT/new alone", "cache MiB",
+                         "KiB per token held"], summary), ""]
+    return md
 
 
 def run(args) -> int:
@@ -237,12 +302,12 @@ def run(args) -> int:
     spec = _parse_model(args.model)
     info = report.machine()
     loaded = load(spec["source"], load_format=spec["load_format"], quantize_bits=spec["quantize_bits"])
-    vocab = loaded.config.get("vocab_size", 32000)
+    vocab = loaded.vocab_size or 32000
     rng = random.Random(0)
     print(f"== {spec['label']} ({loaded.name})", file=sys.stderr)
     lengths = measure_lengths(loaded, args, rng, vocab)
     blocks = measure_block_sizes(loaded, args, rng, vocab) if args.block_sizes else []
-    trace = agent_trace(loaded, args) if args.turns else []
+    traces = agent_traces(loaded, args) if args.turns else []
     disk = measure_disk(loaded, args, rng, vocab) if args.disk_lens else []
 
     command = "mlxserve bench prefix " + " ".join(sys.argv[3:])
@@ -264,15 +329,8 @@ def run(args) -> int:
             ["block size", "miss ms", "hit ms", "cached tokens", "blocks stored", "bytes/token"],
             [[b["block_size"], b["miss"] * 1e3, b["hit"] * 1e3, b["cached"], b["blocks"], b["bytes_per_token"]]
              for b in blocks]), ""]
-    if trace:
-        total_prompt = sum(t["prompt"] for t in trace)
-        total_cached = sum(t["cached"] for t in trace)
-        md += ["## Agent trace\n", f"System prompt with {len(TOOLS)} tools, history re-rendered with the "
-               f"chat template each turn, {args.answer_len}-token answers. Hit rate over all turns: "
-               f"{total_cached / total_prompt:.1%} of prompt tokens.\n",
-               report.table(["turn", "prompt tokens", "cached tokens", "TTFT ms", "turn ms"],
-                            [[t["turn"], t["prompt"], t["cached"], t["ttft"] * 1e3, t["total"] * 1e3]
-                             for t in trace]), ""]
+    if traces:
+        md += trace_markdown(traces, args)
     if disk:
         md += ["## Disk tier: a prefix cached before a restart\n",
                "One engine answers the prompt (a miss) and stops; a new engine, its memory empty, answers "
@@ -284,7 +342,7 @@ def run(args) -> int:
                               f"{d['miss'] / d['disk_hit']:.1f}x"] for d in disk]), ""]
     text = "\n".join(md)
     print(text)
-    report.write_result("prefix", info, text, {"lengths": lengths, "blocks": blocks, "trace": trace, "disk": disk},
+    report.write_result("prefix", info, text, {"lengths": lengths, "blocks": blocks, "traces": traces, "disk": disk},
                         _plot, args.out_dir)
     return 0
 
@@ -313,7 +371,8 @@ def _plot(results, png, info) -> None:
     ax1.set_xlabel("shared prefix tokens")
     ax1.set_ylabel("time to first token, ms")
     ax1.legend(fontsize=8)
-    trace = results["trace"]
+    # Older results have one "trace" (a list of turns); newer ones "traces", one per run.
+    trace = results["traces"][0]["turns"] if results.get("traces") else results.get("trace")
     if trace:
         turns = [t["turn"] for t in trace]
         ax2.bar(turns, [t["prompt"] for t in trace], color="lightgray", label="prompt tokens")
