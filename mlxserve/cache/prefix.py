@@ -121,7 +121,8 @@ class PrefixCache:
         text = f"prefix cache: {self.block_size}-token blocks over {text} layers"
         if "state" in counts:
             every = f"every {self.checkpoint_interval} blocks and " if self.checkpoint_interval else ""
-            text += f"; recurrent states kept {every}at each prompt's last block end, hits end there"
+            text += (f"; recurrent states kept {every}at each prompt's last block end and last token but one "
+                     "(hits resume only there)")
         return text
 
     def _disable(self, reason: str) -> None:
