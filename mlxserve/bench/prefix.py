@@ -247,7 +247,7 @@ def agent_trace(loaded, args, **settings) -> dict:
             new = prompt[cached:]
             alone = floor = first
             if cached and measure:
-                alone = min(ttft(off, new)[0] for _ in range(args.repeats))
+                alone = ttft(off, new)[0]
                 floor = alone + context_cost(loaded.model, prompt[:cached], new, kv_bits=args.kv_bits)
             rows.append({"turn": turn + 1, "prompt": len(prompt), "cached": cached, "ideal": ideal, "ttft": first,
                          "total": total, "new_alone": alone, "floor": floor})
@@ -258,9 +258,13 @@ def agent_trace(loaded, args, **settings) -> dict:
         # A first pass compiles the kernels of every shape the trace meets (on a GPU, each new
         # prompt length costs one); the measured pass meets the same lengths (greedy decoding).
         conversation(measure=False)
-        asyncio.run(engine.reset_cache())
-        rows = conversation(measure=True)
-        stats = asyncio.run(engine.cache_stats())["prefix_cache"]
+        passes = []
+        for _ in range(args.repeats):  # the same conversation again: the best of each turn's times
+            asyncio.run(engine.reset_cache())
+            passes.append(conversation(measure=True))
+            stats = asyncio.run(engine.cache_stats())["prefix_cache"]
+        rows = [{**turns[0], **{k: min(t[k] for t in turns) for k in ("ttft", "total", "new_alone", "floor")}}
+                for turns in zip(*passes)]
     finally:
         engine.stop()
         off.stop()
@@ -297,8 +301,8 @@ def trace_markdown(traces, args) -> list[str]:
           "next turn's history drops, so every turn parts from the cache where the previous turn's output "
           f"began. System prompt and tools: {traces[0]['system_tokens']} tokens. 'new alone': the "
           "turn's uncached tokens prefilled with no context; 'floor': those plus attending to the cached "
-          "context (model calls). Measured on a second pass over the same conversation, after a cache reset, "
-          "so kernels for each prompt length are compiled.\n"]
+          f"context (model calls). Times are the best of {args.repeats} passes over the same conversation, each "
+          "after a cache reset and a first pass that compiled the kernels of each prompt length.\n"]
     summary = []
     for t in traces:
         rows = t["turns"]
