@@ -31,7 +31,7 @@ from mlxserve.cache.layers import (  # noqa: E402
     payload_nbytes,
     restore_cache,
 )
-from mlxserve.cache.prefix import memory_limit  # noqa: E402
+from mlxserve.cache.sizes import memory_limit  # noqa: E402
 
 MB = 1 << 20
 

@@ -5,12 +5,14 @@
   row of a batch) and restore into fresh single-sequence caches.
 - `pool`: `BlockPool`, ref counts, leaf-first LRU eviction within a byte budget.
 - `prefix`: `PrefixCache`, the runner-facing API (match / restore / release / store).
+- `sizes`: byte budgets (4GB, 512MB, 20%) and the memory MLX may use.
 """
 
 from mlxserve.cache.blocks import hash_blocks
 from mlxserve.cache.layers import extract_blocks, extract_blocks_from_batch, payload_nbytes, restore_cache
 from mlxserve.cache.pool import Block, BlockPool
-from mlxserve.cache.prefix import PrefixCache, PrefixMatch, parse_size
+from mlxserve.cache.prefix import PrefixCache, PrefixMatch
+from mlxserve.cache.sizes import parse_size
 
 __all__ = [
     "Block",
