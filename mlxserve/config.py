@@ -81,8 +81,9 @@ class EngineConfig:
         "For models with recurrent layers (Qwen3.5/3-Next, Mamba hybrids, LFM2), whose "
         "cache can be restored only where a prefill pass stopped: prefill stops to store the "
         "recurrent state every this many blocks, and always at each prompt's last block end "
-        "(where a repeat or an agent's next turn continues). 0: only there. Each state costs "
-        "memory (see benchmarks/prefix-*); fewer cost recompute when prompts part midway.",
+        "and its last token but one (where a repeat or an agent's next turn continues). 0: only "
+        "there. Each state costs memory (see benchmarks/prefix-*); fewer cost recompute when "
+        "prompts part midway.",
     )
     kv_bits: int | None = setting(
         None,

@@ -16,7 +16,7 @@ from mlxserve.models.shapes import SHAPES, text_config
 LOGIT_STD = 12.0
 
 # Bump when `init_weights` changes, so fingerprints of dummy models change too.
-INIT_VERSION = 4
+INIT_VERSION = 5
 
 
 def resolve_config(config_or_shape) -> dict:
@@ -172,6 +172,10 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
     if quantize_bits not in (None, 4, 8):
         raise ValueError(f"quantize_bits must be 4 or 8, not {quantize_bits}")
     config.pop("preprocessor_config", None)
+    # Parameters init_weights leaves to the class (recurrent decay rates: Qwen3.5's A_log) come
+    # from MLX's global generator: seed it, or the same fingerprint would name other weights
+    # in each process (and a disk tier would serve KV of other weights after a restart).
+    mx.random.seed(seed)
     vlm = "vision_config" in config
     if vlm:
         from mlxserve.models.vlm import build_vlm
