@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import sys
 import time
@@ -242,7 +243,7 @@ def agent_trace(loaded, args, **settings) -> dict:
             first, total, ids, cached = asyncio.run(one())
             messages.append({"role": "assistant", "content": tok.decode(ids[args.reasoning_len:])})
             # The most any cache could give: what this prompt shares with everything computed so far.
-            ideal = max([_shared(prompt, seen) for seen in before] + [0])
+            ideal = max([len(os.path.commonprefix([prompt, seen])) for seen in before] + [0])
             before.append(prompt + ids)
             new = prompt[cached:]
             alone = floor = first
@@ -271,15 +272,6 @@ def agent_trace(loaded, args, **settings) -> dict:
     return {"turns": rows, "system_tokens": len(render_chat(tok, [{"role": "system", "content": system}], tools=TOOLS)),
             "settings": settings, "cache_bytes": stats["bytes"], "cache_tokens": stats["tokens"],
             "layers": stats["layers"], "block_size": stats["block_size"]}
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def agent_traces(loaded, args) -> list[dict]:

@@ -136,10 +136,10 @@ def model_specs(model) -> tuple:
     return layer_specs(make_prompt_cache(model))
 
 
-def unsupported_layers(model) -> str | None:
-    """Which cache layers of the model blocks cannot hold, in words (None if all can)."""
+def unsupported_layers(cache_layers) -> str | None:
+    """Which layers of a prompt cache blocks cannot hold, in words (None if all can)."""
     layers = {}
-    for i, c in enumerate(make_prompt_cache(model)):
+    for i, c in enumerate(cache_layers):
         if layer_spec(c) is None:
             layers.setdefault(type(c).__name__, []).append(i)
     if not layers:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.cache.blocks import content_key, hash_blocks, tail_key
 from mlxserve.cache.layers import (
@@ -37,7 +38,6 @@ from mlxserve.cache.layers import (
     missing_leaves,
     flat_specs,
     layer_specs,
-    model_specs,
     needed_blocks,
     oldest_window_token,
     payload_arrays,
@@ -83,11 +83,12 @@ class PrefixCache:
         self.fingerprint = fingerprint
         self.disabled: str | None = None  # why this model cannot be cached, if it cannot
         if model is not None:
-            unsupported = unsupported_layers(model)
+            cache_layers = make_prompt_cache(model)
+            unsupported = unsupported_layers(cache_layers)
             try:
                 if unsupported:
                     raise ValueError(f"blocks cannot hold {unsupported}; requests run uncached")
-                self._check_specs(model_specs(model))
+                self._check_specs(layer_specs(cache_layers))
             except ValueError as e:
                 self._disable(str(e))
         self.queries = 0
@@ -275,8 +276,9 @@ class PrefixCache:
         last = (end - 1) // bs * bs
         if last > start:
             points.add(last)
-        if end - 1 > start:
-            points.add(end - 1)  # the prompt's tail (prompt_tail_end)
+        tail = self.prompt_tail_end(end)
+        if tail > start:
+            points.add(tail)
         if end % bs == 0:
             points.add(end)  # no pause: the prefill ends there, and the state is kept
         return sorted(points)
