@@ -665,13 +665,11 @@ def test_sigterm_ends_streams_cleanly_and_exits_0():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = (
-        "import sys; from mlxserve.api.server import serve; "
-        "from mlxserve.config import ModelConfig, EngineConfig, ServerConfig; "
-        f"sys.exit(serve(ModelConfig('qwen3-tiny', load_format='dummy'), EngineConfig(), "
-        f"ServerConfig(port={port}, log_level='warning', shutdown_timeout=1)))"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    # As a user runs it: `mlxserve serve` (the CLI entry point).
+    code = "import sys; from mlxserve.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = ["serve", "qwen3-tiny", "--load-format", "dummy", "--port", str(port), "--log-level", "warning",
+            "--shutdown-timeout", "1"]
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
