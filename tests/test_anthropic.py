@@ -122,7 +122,7 @@ def test_stop_reason_mapping():
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "tools": [{"name": "f", "input_schema": {}}]},
      400, "invalid_request_error"),
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": 5,
-      "output_config": {"format": {"type": "json_schema", "schema": {}}}}, 400, "invalid_request_error"),
+      "output_config": {"format": {"type": "json_schema"}}}, 400, "invalid_request_error"),
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": 10**6}, 400, "invalid_request_error"),
     ({"model": "claude-opus-4", "messages": MESSAGES, "max_tokens": 5}, 404, "not_found_error"),
 ])

@@ -390,10 +390,9 @@ TOOL_F = [{"type": "function", "function": {"name": "f"}}]
 
 @pytest.mark.parametrize("path,extra,param", [
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"tools": TOOL_F, "tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"tools": TOOL_F, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "response_format.json_schema"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": TOOL_F, "tool_choice": {"type": "function", "function": {"name": "g"}}},
      "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mlxserve.api.anthropic_schema import CountTokensRequest, MessagesRequest, Conversation
 from mlxserve.api import images
+from mlxserve.api.constraints import anthropic_grammar, constrain
 from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
 from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect
 from mlxserve.api.openai_routes import CLIENT_CLOSED, state_of
@@ -29,16 +30,13 @@ def check_supported(body: Conversation) -> None:
     if body.thinking is not None and (not isinstance(body.thinking, dict)
                                       or body.thinking.get("type") != "disabled"):
         raise bad_request("thinking: extended thinking is not supported", "thinking")
-    if (body.output_config or {}).get("format") is not None:
-        raise bad_request("output_config.format: structured output needs constrained decoding, "
-                          "which this server does not do", "output_config.format")
 
 
 def check_tools(body: Conversation) -> None:
     choice = (body.tool_choice or {}).get("type", "auto")
-    if choice not in ("auto", "none"):
-        raise bad_request(f"tool_choice: type {choice!r} forces a tool call, which needs constrained "
-                          "decoding; this server does not do it; use 'auto' or 'none'", "tool_choice")
+    if choice not in ("auto", "none", "any", "tool"):
+        raise bad_request(f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got {choice!r}",
+                          "tool_choice.type")
     for j, tool in enumerate(body.tools or []):
         if tool.type not in (None, "custom"):
             raise bad_request(f"tools.{j}: server tools ({tool.type!r}) are not supported; "
@@ -153,7 +151,7 @@ def with_calls(reason: tuple[str, str | None], calls: bool) -> tuple[str, str | 
 
 def response_content(choice: Choice, syntax, tools) -> tuple[list[dict], bool]:
     """The answer's content blocks (text, then tool_use), and whether it called tools."""
-    text, calls = split_text(syntax, choice.text, tools) if syntax else (choice.text, [])
+    text, calls = split_text(syntax, choice.text, tools) if tools else (choice.text, [])
     if not calls:
         return [{"type": "text", "text": text}], False
     return [*([{"type": "text", "text": text}] if text else []),
@@ -189,13 +187,14 @@ async def messages(body: MessagesRequest, request: Request):
     if body.metadata and body.metadata.get("user_id"):
         log.debug("messages request for user %r", body.metadata["user_id"])
     msg_id = f"msg_{uuid.uuid4().hex}"
-    run = Run(state, [EngineRequest(prompt, params, request_id=msg_id, arrival_time=arrival,
-                                   images=prompt_images)], rename)
-    head = {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_name}
     tools = template_tools(body)
+    requests = [EngineRequest(prompt, params, request_id=msg_id, arrival_time=arrival, images=prompt_images)]
+    await constrain(state, requests, anthropic_grammar(state, body, tools))
+    run = Run(state, requests, rename)
+    head = {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_name}
     syntax = tool_syntax(state.tokenizer) if tools else None
     if body.stream:
-        stream = ToolCallStream(syntax, tools) if syntax else None
+        stream = ToolCallStream(syntax, tools) if tools else None
         return SSEResponse(message_events(run, head, len(prompt), stream), run)
     try:
         (choice,) = await collect(run, request)

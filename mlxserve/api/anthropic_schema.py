@@ -53,10 +53,10 @@ class Conversation(_Body):
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
-    tool_choice: dict | None = None  # auto and none are honoured; any and tool are refused
+    tool_choice: dict | None = None  # auto, any, tool (name) and none
     # Declared only to be refused.
     thinking: Any = None
-    output_config: dict | None = None  # its `format` (structured output) is refused
+    output_config: dict | None = None  # its `format`: {type: json_schema, schema}
 
 
 class MessagesRequest(Conversation):

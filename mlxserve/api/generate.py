@@ -14,8 +14,10 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from mlxserve.api.constraints import Grammars
 from mlxserve.api.errors import APIError, from_engine
 from mlxserve.api.tokens import TokenBytes
+from mlxserve.api.tool_calls import tool_syntax
 from mlxserve.engine.request import Request, RequestOutput, TokenLogprob
 
 _SHUTDOWN = object()
@@ -34,6 +36,8 @@ class ServerState:
         self.metrics = metrics
         self.tokenizer = loaded.tokenizer
         self.token_bytes = TokenBytes(loaded.tokenizer)
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
+        self.tool_syntax = tool_syntax(loaded.tokenizer)  # None: no call markup mlx-lm knows
         self.model_name = server_cfg.served_model_name or loaded.name
         self.media_limits = MediaLimits.from_config(server_cfg)
         self.started = int(time.time())

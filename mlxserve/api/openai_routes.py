@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from mlxserve.api import images
+from mlxserve.api.constraints import constrain, openai_grammar
 from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
 from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect, usage, visible_logprobs
 from mlxserve.api.openai_schema import (
@@ -111,15 +112,6 @@ def check_stream_options(body: GenerationFields) -> bool:
 
 def check_chat_supported(body: ChatCompletionRequest) -> None:
     """Refuse what this server accepts in the schema but cannot honour."""
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request(f"response_format: type {body.response_format.type!r} needs constrained "
-                          "decoding, which this server does not do yet; only 'text' is supported",
-                          "response_format")
-    choice = body.tool_choice  # 'none' and 'auto' are honoured as they are, tools or not
-    if choice == "required" or isinstance(choice, dict):
-        raise bad_request("tool_choice: forcing a tool call ('required' or a named function) needs "
-                          "constrained decoding, which this server does not do; use 'auto' or 'none'",
-                          "tool_choice")
     if body.functions is not None or body.function_call is not None:
         raise bad_request("functions: the deprecated functions/function_call fields are not "
                           "supported; pass tools instead", "functions")
@@ -214,6 +206,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.tools and body.tool_choice != "none":  # 'none': the model is not told of tools
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
     prompt = render(state.tokenizer, messages, tools=tools, chat_template_kwargs=body.chat_template_kwargs)
+    grammar = openai_grammar(state, body, tools)
     prompt_images = images.prompt_images(state, prompt, prepared, "messages")
     use_mct = body.max_completion_tokens is not None
     rename = {"prompt": "messages", "max_tokens": "max_completion_tokens" if use_mct else "max_tokens"}
@@ -223,6 +216,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         max_tokens=body.max_completion_tokens if use_mct else body.max_tokens,
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, rename=rename,
         arrival=arrival, images=prompt_images)
+    await constrain(state, requests, grammar)
     run = Run(state, requests, rename)
     n = body.n or 1
     head = {"id": api_id, "created": int(time.time()), "model": state.model_name,
@@ -254,8 +248,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 class ToolCalls:
     """Turns a choice's text into OpenAI's message, with tool_calls when the model made calls.
 
-    Off (text stays content) when the request offered no tools, or the model's
-    template has no tool-call markup mlx-lm knows.
+    Off (text stays content) when the request offered no tools. A model whose
+    template has no call markup mlx-lm knows can still answer with a bare JSON call.
     """
 
     def __init__(self, tokenizer, tools):
@@ -264,7 +258,7 @@ class ToolCalls:
 
     def message(self, choice: Choice) -> dict:
         """The choice's `message` and `finish_reason`."""
-        text, calls = split_text(self.syntax, choice.text, self.tools) if self.syntax else (choice.text, [])
+        text, calls = split_text(self.syntax, choice.text, self.tools) if self.tools else (choice.text, [])
         message = {"role": "assistant", "content": text, "refusal": None}
         if not calls:
             return {"message": message, "finish_reason": choice.finish_reason}
@@ -273,7 +267,7 @@ class ToolCalls:
         return {"message": message, "finish_reason": finish_with_calls(choice.finish_reason)}
 
     def stream(self) -> ToolCallStream | None:
-        return ToolCallStream(self.syntax, self.tools) if self.syntax else None
+        return ToolCallStream(self.syntax, self.tools) if self.tools else None
 
 
 def finish_with_calls(finish_reason: str | None) -> str | None:
@@ -427,6 +421,7 @@ async def completions(body: CompletionRequest, request: Request):
         state, body, [ids for ids, _ in prompts], api_id=api_id, max_tokens=body.max_tokens,
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, rename=rename,
         arrival=arrival)
+    await constrain(state, requests, openai_grammar(state, body))
     run = Run(state, requests, rename)
     # Text before each choice's completion: the prompt with echo, else nothing.
     echoes = [prompts[i // n][1] if body.echo else "" for i in range(len(requests))]

@@ -67,8 +67,25 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` field: the same constraints as its `guided_*` fields."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class GenerationFields(_Body):
@@ -94,6 +111,12 @@ class GenerationFields(_Body):
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    # vLLM's constrained decoding fields (see api/constraints.py).
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -103,6 +126,7 @@ class ChatCompletionRequest(GenerationFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None  # false: a forced call is one call
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # Declared only to be refused (see check_supported).

@@ -56,7 +56,31 @@ def parse_calls(syntax: ToolSyntax, inner: str, tools) -> list[ToolCall] | None:
         return None
     items = parsed if isinstance(parsed, list) else [parsed]
     calls = [_as_call(item) for item in items]
-    return calls if calls and all(calls) else None
+    return calls if calls and all(c and offered(c, tools) for c in calls) else None
+
+
+def offered(call: ToolCall, tools) -> bool:
+    """Whether the call names a tool the request offered, with arguments its schema accepts.
+
+    A call a client cannot run (an unknown tool, arguments its code would reject)
+    stays text: the client sees what the model wrote instead of a broken call.
+    """
+    function = next((t.get("function", {}) for t in tools or []
+                     if t.get("function", {}).get("name") == call.name), None)
+    if function is None:
+        return False
+    schema = function.get("parameters")
+    if not isinstance(schema, dict):
+        return True
+    import jsonschema
+
+    try:
+        jsonschema.validate(call.arguments, schema)
+    except jsonschema.ValidationError:
+        return False
+    except jsonschema.SchemaError:
+        pass  # the client's schema is broken; it cannot be held against the model
+    return True
 
 
 class ToolCallStream:
@@ -70,7 +94,7 @@ class ToolCallStream:
     bare JSON (`bare_calls`); answers in JSON then stream only at their end.
     """
 
-    def __init__(self, syntax: ToolSyntax, tools):
+    def __init__(self, syntax: ToolSyntax | None, tools):
         self.syntax = syntax
         self.tools = tools
         self.buffer = ""
@@ -108,6 +132,11 @@ class ToolCallStream:
 
     def _step(self, out: list) -> bool:
         """Consumes what the buffer settles; True if it should be scanned again."""
+        if self.syntax is None:  # no markup: only a bare JSON answer can be a call
+            if self.buffer:
+                out.append(self.buffer)
+                self.buffer = ""
+            return False
         start, end = self.syntax.start, self.syntax.end
         if self.in_call:
             at = self.buffer.find(end) if end else -1
@@ -148,9 +177,8 @@ def bare_calls(text: str, tools) -> list[ToolCall] | None:
         parsed = json.loads(text)
     except json.JSONDecodeError:
         return None
-    names = {t.get("function", {}).get("name") for t in tools or []}
     calls = [_as_call(item) for item in (parsed if isinstance(parsed, list) else [parsed])]
-    if not calls or not all(c and c.name in names for c in calls):
+    if not calls or not all(c and offered(c, tools) for c in calls):
         return None
     return calls
 
@@ -166,7 +194,7 @@ def _held_back(text: str, marker: str) -> int:
     return partial + len(body) - len(body.rstrip())
 
 
-def split_text(syntax: ToolSyntax, text: str, tools) -> tuple[str, list[ToolCall]]:
+def split_text(syntax: ToolSyntax | None, text: str, tools) -> tuple[str, list[ToolCall]]:
     """A whole answer as (text outside the calls, calls); the text as is if no call parsed."""
     stream = ToolCallStream(syntax, tools)
     pieces = stream.feed(text) + stream.finish()

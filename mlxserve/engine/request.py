@@ -38,6 +38,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
+    # An llguidance LLMatcher (plain Python, one per request: it keeps the row's parser
+    # state): only tokens its grammar accepts are sampled. See engine/grammar.py.
+    grammar: Any = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -15,6 +15,7 @@ import mlx.core as mx
 from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from mlxserve.engine.grammar import GrammarProcessor
 from mlxserve.engine.request import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
@@ -45,8 +46,8 @@ def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
     return sample
 
 
-def make_processors(params: SamplingParams) -> list:
-    return make_logits_processors(
+def make_processors(params: SamplingParams, vocab_size: int, eos_token_ids) -> list:
+    processors = make_logits_processors(
         logit_bias=params.logit_bias or None,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1 else None,
         repetition_context_size=params.penalty_context_size,
@@ -55,6 +56,10 @@ def make_processors(params: SamplingParams) -> list:
         frequency_penalty=params.frequency_penalty or None,
         frequency_context_size=params.penalty_context_size,
     )
+    if params.grammar is not None:
+        # Last, so no bias or penalty can lift a token the grammar rules out.
+        processors.append(GrammarProcessor(params.grammar, vocab_size, eos_token_ids))
+    return processors
 
 
 def stop_token_ids(params: SamplingParams, eos_token_ids) -> set[int]:

@@ -38,7 +38,7 @@ class Scheduler:
                 request=request,
                 max_tokens=max_tokens,
                 sampler=make_sampler(params, self.vocab_size),
-                processors=make_processors(params),
+                processors=make_processors(params, self.vocab_size, self.eos_token_ids),
                 stop_ids=stop_ids,
                 stop_sequences=make_stop_sequences(stop_ids),
             )
