@@ -116,7 +116,9 @@ class Head:
         if choice is not None:
             out["usage"] = {
                 "input_tokens": choice.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": choice.cached_tokens},
+                # cache_write_tokens: what OpenAI bills for explicit cache writes; the
+                # prefix cache stores blocks for free.
+                "input_tokens_details": {"cached_tokens": choice.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": choice.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": choice.prompt_tokens + choice.completion_tokens,
