@@ -317,3 +317,48 @@ def test_unknown_ids_are_404(server):
         assert r.status_code == 404 and r.json()["error"]["message"] == "Response with id 'resp_nope' not found."
     r = httpx.get(f"{server.base_url}/responses/resp_nope/input_items", timeout=10)
     assert r.status_code == 404
+
+
+# ---- images ----
+
+@pytest.fixture(scope="module")
+def vlm_server(tiny):
+    from conftest import LiveServer
+
+    from mlxserve.config import EngineConfig
+
+    live = LiveServer(tiny("qwen2.5-vl-tiny"), EngineConfig(block_size=16))
+    yield live
+    live.close()
+
+
+def png_data_url(seed: int) -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((64, 80, 3)) * 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_input_image_matches_chat_completions(vlm_server):
+    client = openai.OpenAI(base_url=vlm_server.base_url, api_key="none", max_retries=0, timeout=60)
+    url = png_data_url(3)
+    model = "qwen2.5-vl-tiny"
+    r = client.responses.create(model=model, temperature=0, max_output_tokens=4, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                     {"type": "input_text", "text": "What is this?"}]}])
+    chat = client.chat.completions.create(model=model, temperature=0, max_tokens=4, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                     {"type": "text", "text": "What is this?"}]}])
+    assert r.usage.input_tokens == chat.usage.prompt_tokens > 20  # the image's tokens are in
+    assert r.output_text == chat.choices[0].message.content
+    # The next turn re-reads the image from the stored conversation; its KV comes from the cache.
+    again = client.responses.create(model=model, temperature=0, max_output_tokens=4, input="And now?",
+                                    previous_response_id=r.id)
+    assert again.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
+    assert again.usage.input_tokens_details.cached_tokens >= 16
