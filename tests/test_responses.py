@@ -207,6 +207,29 @@ def test_stream_bare_json_call_without_text(tiny):
     assert json.loads(final["output"][0]["arguments"]) == {"city": "Rome"}
 
 
+def test_error_mid_stream_is_an_error_event(tiny):
+    from mlxserve.api.errors import APIError
+
+    class Failing(Replay):
+        async def __aiter__(self):
+            yield 0, self.outs[0]
+            raise APIError(503, "The server is shutting down; this request was ended.", code="shutting_down")
+
+    tokenizer = tiny(MODEL).tokenizer
+    run, stored = Failing(tokenizer, "Hello there"), []
+    head = Head(FakeState(), ResponsesRequest(input="x"), "resp_test")
+
+    async def drain():
+        return [e async for e in response_events(run, head, Output(None), stored.append)]
+
+    events = [json.loads(c.decode().split("data: ", 1)[1]) for c in asyncio.run(drain())]
+    for e in events:
+        EVENTS.validate_python(e)
+    assert [e["type"] for e in events][-2:] == ["response.output_text.delta", "error"]
+    assert events[-1]["code"] == "shutting_down" and events[-1]["sequence_number"] == len(events) - 1
+    assert run.closed and stored == []  # a failed response is not kept
+
+
 def test_empty_answer_is_one_empty_message(tiny):
     output = Output(None)
     output.finish("completed")
