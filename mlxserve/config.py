@@ -164,6 +164,11 @@ class ServerConfig:
     )
     video_fps: float = setting(2.0, "Video frames sampled per second of video_url parts.")
     max_video_frames: int = setting(32, "Most frames taken from one video (an even number is used).")
+    responses_store_size: int = setting(
+        1000,
+        "Responses (/v1/responses) kept in memory for previous_response_id and GET, each with "
+        "its whole conversation; the least recently used go first. 0 stores none.",
+    )
 
 
 def _flag(name: str) -> str:

@@ -1,0 +1,336 @@
+"""OpenAI Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, its input items.
+
+A Responses request is translated into the chat-completions request it amounts
+to (`responses_input.chat_request`) and runs through chat completions' own
+checks, template, sampling and tool-call parsing; only the input items and the
+output (items and their stream events) are this API's own.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from mlxserve.api import images
+from mlxserve.api.errors import APIError
+from mlxserve.api.generate import Choice, ClientGone, Run, collect
+from mlxserve.api.openai_routes import (
+    CLIENT_CLOSED,
+    ToolCalls,
+    check_chat_supported,
+    engine_requests,
+    state_of,
+    template_message,
+)
+from mlxserve.api.responses_input import (
+    ResponseStore,
+    Stored,
+    chat_messages,
+    chat_request,
+    image_sources,
+    input_items,
+    item_id,
+    not_found,
+    previous_conversation,
+)
+from mlxserve.api.responses_schema import ResponsesRequest
+from mlxserve.api.sse import SSEResponse, event
+from mlxserve.api.tokens import render
+from mlxserve.api.tool_calls import ToolCall, ToolCallStream, call_id
+
+log = logging.getLogger("mlxserve.api")
+router = APIRouter()
+
+# Chat completions' names for what Responses calls otherwise, for error messages.
+RENAME = {"prompt": "input", "max_tokens": "max_output_tokens"}
+CHAT_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
+               "messages": "input"}
+
+
+def store_of(request: Request) -> ResponseStore:
+    app_state = request.app.state
+    store = getattr(app_state, "responses", None)
+    if store is None:
+        store = app_state.responses = ResponseStore(state_of(request).server_cfg.responses_store_size)
+    return store
+
+
+def check_supported(body: ResponsesRequest) -> None:
+    refused = {"background": "background responses are not supported",
+               "conversation": "conversations are not supported; use previous_response_id",
+               "prompt": "stored prompt templates are not supported",
+               "top_logprobs": "logprobs are not supported by the Responses API here; use chat "
+                               "completions"}
+    for field, why in refused.items():
+        if getattr(body, field):
+            raise APIError(400, f"{field}: {why}", param=field)
+
+
+def check_chat(chat) -> None:
+    """Chat completions' check, with its errors naming the Responses fields."""
+    try:
+        check_chat_supported(chat)
+    except APIError as e:
+        name = CHAT_PARAMS.get(e.param, e.param)
+        if name != e.param:
+            e.message = name + e.message.removeprefix(e.param)
+            e.param = name
+        raise
+
+
+# ---- the response object ----
+
+class Head:
+    """What every snapshot of one response shares: its id, time and the echoed request."""
+
+    def __init__(self, state, body: ResponsesRequest, response_id: str):
+        fmt = body.text.format if body.text is not None and body.text.format is not None else None
+        self.response_id = response_id
+        self.fields = {
+            "id": response_id, "object": "response", "created_at": int(time.time()),
+            "model": state.model_name, "background": False, "error": None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "max_tool_calls": None, "metadata": body.metadata or {},
+            "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+            "store": body.store is not False,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "tool_choice": body.tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "truncation": body.truncation or "disabled", "user": body.user,
+        }
+
+    def response(self, status: str, output: list[dict], choice: Choice | None = None) -> dict:
+        out = {**self.fields, "status": status, "output": copy.deepcopy(output),
+               "incomplete_details": None, "usage": None}
+        if status == "incomplete":
+            out["incomplete_details"] = {"reason": "max_output_tokens"}
+        if choice is not None:
+            out["usage"] = {
+                "input_tokens": choice.prompt_tokens,
+                # cache_write_tokens: what OpenAI bills for explicit cache writes; the
+                # prefix cache stores blocks for free.
+                "input_tokens_details": {"cached_tokens": choice.cached_tokens, "cache_write_tokens": 0},
+                "output_tokens": choice.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": choice.prompt_tokens + choice.completion_tokens,
+            }
+        return out
+
+
+def final_status(choice: Choice) -> str:
+    return "incomplete" if choice.finish_reason == "length" else "completed"
+
+
+class Output:
+    """A response's output items, built from the generated text as it comes.
+
+    `feed` and `finish` return the stream events each step makes (without
+    sequence numbers); the non-streamed path drops them and keeps `items`, so
+    both paths answer with the same items. Text goes into a `message` item,
+    each parsed tool call becomes a `function_call` item; text after a call
+    opens a new message. Reasoning items (the reasoning helper's) belong before
+    the message they precede, with their own `response.reasoning_text.*` events.
+    """
+
+    def __init__(self, stream: ToolCallStream | None):
+        self.stream = stream
+        self.items: list[dict] = []
+        self.message: dict | None = None  # the open message item text goes into
+
+    def feed(self, text: str) -> list[dict]:
+        return self._pieces(self.stream.feed(text) if self.stream else [text])
+
+    def finish(self, status: str) -> list[dict]:
+        events = self._pieces(self.stream.finish() if self.stream else [])
+        if not self.items:  # no text and no call: still one (empty) message
+            events += self._open_message()
+        return events + self._close_message("incomplete" if status == "incomplete" else "completed")
+
+    def _pieces(self, pieces: list) -> list[dict]:
+        events = []
+        for p in pieces:
+            if isinstance(p, ToolCall):
+                events += self._close_message("completed") + self._call(p)
+            elif p:
+                if self.message is None:
+                    events += self._open_message()
+                part = self.message["content"][0]
+                part["text"] += p
+                events.append({"type": "response.output_text.delta", **self._at(), "content_index": 0,
+                               "delta": p, "logprobs": []})
+        return events
+
+    def _at(self) -> dict:
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def _open_message(self) -> list[dict]:
+        self.message = {"type": "message", "id": item_id("msg"), "status": "in_progress",
+                        "role": "assistant", "content": []}
+        self.items.append(self.message)
+        added = {"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                 "item": copy.deepcopy(self.message)}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.message["content"].append(part)
+        return [added, {"type": "response.content_part.added", **self._at(), "content_index": 0,
+                        "part": copy.deepcopy(part)}]
+
+    def _close_message(self, status: str) -> list[dict]:
+        if self.message is None:
+            return []
+        message, self.message = self.message, None
+        message["status"] = status
+        part = message["content"][0]
+        return [
+            {"type": "response.output_text.done", **self._at(), "content_index": 0,
+             "text": part["text"], "logprobs": []},
+            {"type": "response.content_part.done", **self._at(), "content_index": 0,
+             "part": copy.deepcopy(part)},
+            {"type": "response.output_item.done", "output_index": len(self.items) - 1,
+             "item": copy.deepcopy(message)},
+        ]
+
+    def _call(self, call: ToolCall) -> list[dict]:
+        arguments = json.dumps(call.arguments, ensure_ascii=False)
+        item = {"type": "function_call", "id": item_id("fc"), "call_id": call_id("call_"),
+                "name": call.name, "arguments": "", "status": "in_progress"}
+        self.items.append(item)
+        added = {"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                 "item": copy.deepcopy(item)}
+        item.update(arguments=arguments, status="completed")
+        return [
+            added,
+            {"type": "response.function_call_arguments.delta", **self._at(), "delta": arguments},
+            {"type": "response.function_call_arguments.done", **self._at(), "name": call.name,
+             "arguments": arguments},
+            {"type": "response.output_item.done", "output_index": len(self.items) - 1,
+             "item": copy.deepcopy(item)},
+        ]
+
+
+# ---- routes ----
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    arrival = time.perf_counter()
+    state = state_of(request)
+    state.check_model(body.model)
+    check_supported(body)
+    store = store_of(request)
+    history = previous_conversation(store, body)
+    new_items = input_items(body)
+    conversation = history + new_items
+    messages = chat_messages(conversation, len(history), body.instructions)
+    if not messages:
+        raise APIError(400, "input: required field is missing (or empty)", param="input")
+    chat = chat_request(body, messages)
+    check_chat(chat)
+    sources = image_sources(conversation, len(history))
+    prepared = await images.prepare(state, sources, type_name="input_image")
+    placeholders = images.placeholders(state, prepared)
+    template = [template_message(m, i, placeholders) for i, m in enumerate(chat.messages)]
+    tools = None
+    if chat.tools and chat.tool_choice != "none":  # 'none': the model is not told of tools
+        tools = [t.model_dump(exclude_none=True) for t in chat.tools]
+    prompt = render(state.tokenizer, template, tools=tools, param="input")
+    prompt_images = images.prompt_images(state, prompt, prepared, "input")
+    head = Head(state, body, item_id("resp"))
+    requests = engine_requests(state, chat, [prompt], api_id=head.response_id,
+                               max_tokens=body.max_output_tokens, logprobs=False, top_logprobs=0,
+                               rename=RENAME, arrival=arrival, images=prompt_images)
+    run = Run(state, requests, RENAME)
+    output = Output(ToolCalls(state.tokenizer, tools).stream())
+
+    def save(response: dict) -> None:
+        if body.store is not False:
+            store.put(Stored(response, new_items, conversation + copy.deepcopy(output.items)))
+
+    if body.stream:
+        return SSEResponse(response_events(run, head, output, save), run)
+    try:
+        choice = (await collect(run, request))[0]
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    status = final_status(choice)
+    output.feed(choice.text)
+    output.finish(status)
+    response = head.response(status, output.items, choice)
+    save(response)
+    return JSONResponse(response)
+
+
+async def response_events(run: Run, head: Head, output: Output, save):
+    """The stream: created and in_progress, the items' events, then completed or incomplete."""
+    sequence = 0
+
+    def send(data: dict) -> bytes:
+        nonlocal sequence
+        data["sequence_number"] = sequence
+        sequence += 1
+        return event(data, data["type"])
+
+    choice = Choice()
+    try:
+        yield send({"type": "response.created", "response": head.response("in_progress", [])})
+        yield send({"type": "response.in_progress", "response": head.response("in_progress", [])})
+        async for _, out in run:
+            choice.add(out)
+            for e in output.feed(out.new_text):
+                yield send(e)
+        status = final_status(choice)
+        for e in output.finish(status):
+            yield send(e)
+        response = head.response(status, output.items, choice)
+        save(response)
+        yield send({"type": f"response.{status}", "response": response})
+    except Exception as e:  # noqa: BLE001 - a bug here must still end the stream properly
+        if not isinstance(e, APIError):
+            log.exception("stream failed")
+            e = APIError(500, "Internal server error.", code="internal_error")
+        yield send({"type": "error", "code": e.code, "message": e.message, "param": e.param})
+    finally:
+        run.close()
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    entry = store_of(request).get(response_id)
+    if entry is None:
+        raise not_found(response_id)
+    return JSONResponse(entry.response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    if not store_of(request).delete(response_id):
+        raise not_found(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, order: str = "desc",
+                           limit: int = 20, after: str | None = None):
+    entry = store_of(request).get(response_id)
+    if entry is None:
+        raise not_found(response_id)
+    if order not in ("asc", "desc"):
+        raise APIError(400, "order: must be 'asc' or 'desc'", param="order")
+    if not 1 <= limit <= 100:
+        raise APIError(400, "limit: must be between 1 and 100", param="limit")
+    items = entry.input_items if order == "asc" else entry.input_items[::-1]
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise APIError(400, f"after: no input item with id {after!r} in this response", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
