@@ -170,3 +170,46 @@ def test_bad_constraints_are_400s(server, extra, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("parser", ["json_tools", "qwen3_coder", None])
+def test_forced_call_grammars_parse_in_each_call_format(tiny, parser):
+    """Any token path the grammar allows is a call mlx-lm's parser reads and the schema accepts:
+    random walks through the masks, for Hermes/Qwen2.5 JSON markup, Qwen3.5's XML markup and bare JSON."""
+    import importlib
+    import random
+
+    import numpy as np
+    from llguidance import LLMatcher
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    from mlxserve.api.constraints import Grammars, tool_call_grammar
+    from mlxserve.api.tool_calls import ToolSyntax, split_text
+
+    loaded = tiny("qwen3-tiny")
+    syntax = None
+    if parser:
+        module = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
+        syntax = ToolSyntax(module.tool_call_start, module.tool_call_end, module.parse_tool_call)
+    grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
+    grammar = tool_call_grammar(grammars, syntax, TOOLS, several=True)
+    eos = sorted(loaded.tokenizer.eos_token_ids)
+    rng = random.Random(0)
+    mask = allocate_token_bitmask(1, loaded.vocab_size)
+    for _ in range(6):
+        matcher, out = LLMatcher(grammars.llg_tokenizer(), grammar, log_level=0), []
+        while not matcher.is_stopped() and len(out) < 400:
+            fill_next_token_bitmask(matcher, mask)
+            allowed = np.nonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:loaded.vocab_size])[0]
+            if matcher.is_accepting() and rng.random() < 0.5:
+                break
+            token = int(rng.choice([t for t in allowed if t not in eos]))
+            assert matcher.consume_token(token), matcher.get_error()
+            out.append(token)
+        if len(out) == 400:
+            continue  # a long free-text value: cut, as max_tokens would
+        text = loaded.tokenizer.decode(out)
+        rest, calls = split_text(syntax, text, TOOLS)
+        assert calls and not rest, text
+        for call in calls:
+            jsonschema.validate(call.arguments, SCHEMAS[call.name])

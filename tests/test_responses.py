@@ -311,10 +311,11 @@ def test_store_keeps_the_most_recently_used():
     ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
     ({"input": "x", "tools": [{"type": "function"}]}, 400, "tools[0].name"),
     ({"input": "x", "tool_choice": {"type": "web_search"}}, 400, "tool_choice"),
-    ({"input": "x", "tools": [TOOL], "tool_choice": "required"}, 400, "tool_choice"),
-    ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "get_weather"}}, 400,
+    ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
+    ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "get_time"}}, 400,
      "tool_choice"),
-    ({"input": "x", "text": {"format": {"type": "json_object"}}}, 400, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": 3},
+                                        "strict": True}}}, 400, "text.format.schema"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, 400, "text.format.schema"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text.format.type"),
     ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
@@ -385,3 +386,19 @@ def test_input_image_matches_chat_completions(vlm_server):
                                     previous_response_id=r.id)
     assert again.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
     assert again.usage.input_tokens_details.cached_tokens >= 16
+
+
+def test_forced_tool_call_and_json_schema(client):
+    """Constrained decoding through the Responses API: a forced call always parses, text.format holds."""
+    import jsonschema
+
+    tool = {**TOOL, "parameters": {**TOOL["parameters"], "additionalProperties": False,
+                                   "properties": {"city": {"type": "string", "maxLength": 8}}}}
+    r = create(client, input="Weather?", tools=[tool], tool_choice="required", max_output_tokens=80)
+    (call,) = [i for i in r.output if i.type == "function_call"]
+    assert call.name == "get_weather" and len(json.loads(call.arguments)["city"]) <= 8
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = create(client, input="Answer in JSON.", max_output_tokens=40,
+               text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), schema)

@@ -34,6 +34,9 @@ NO_NAME = '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>'
 UNFINISHED = 'Hmm <tool_call>\n{"name": "get_weather", "argum'
 BARE = '{"name": "get_weather", "arguments": {"city": "Paris"}}'  # what the real default model writes
 BARE_UNKNOWN = '{"name": "get_time", "arguments": {}}'  # names no offered tool: plain JSON text
+FENCED = "```json\n" + BARE + "\n```"  # what it writes for openai-agents' function tools
+BAD_ARGS = '{"name": "get_weather", "arguments": {"town": "Paris"}}'  # its schema requires "city"
+CODE = "```python\nprint({'a': 1})\n```"
 PLAIN = "It is sunny in Paris. 2 < 3 and <tool is not a call.\n"
 
 
@@ -108,14 +111,21 @@ def test_inferred_syntax_is_hermes(syntax):
     (BARE, "", [ToolCall("get_weather", {"city": "Paris"})]),
     ("[" + BARE + ", " + BARE + "]", "", [ToolCall("get_weather", {"city": "Paris"})] * 2),
     (BARE_UNKNOWN, BARE_UNKNOWN, []),
+    (FENCED, "", [ToolCall("get_weather", {"city": "Paris"})]),
+    (BAD_ARGS, BAD_ARGS, []),
+    (CODE, CODE, []),
     ('{"city": "Paris"}\n', '{"city": "Paris"}\n', []),
     (PLAIN, PLAIN, []),
 ])
-def test_split_text(syntax, text, content, calls):
-    assert split_text(syntax, text, TOOLS) == (content, calls)
+@pytest.mark.parametrize("markup", [True, False])
+def test_split_text(syntax, text, content, calls, markup):
+    if not markup and "<tool_call>" in text:
+        return  # a model without markup writes none
+    assert split_text(syntax if markup else None, text, TOOLS) == (content, calls)
 
 
-@pytest.mark.parametrize("text", [ONE_CALL, TWO_CALLS, MALFORMED, UNFINISHED, BARE, BARE_UNKNOWN, PLAIN])
+@pytest.mark.parametrize("text", [ONE_CALL, TWO_CALLS, MALFORMED, UNFINISHED, BARE, BARE_UNKNOWN, FENCED,
+                                  BAD_ARGS, CODE, PLAIN])
 def test_stream_token_by_token_matches_whole(syntax, tokenizer, text):
     stream = ToolCallStream(syntax, TOOLS)
     pieces = []

@@ -117,21 +117,70 @@ def tool_call_grammar(grammars: Grammars, syntax: ToolSyntax | None, tools: list
     markers (Hermes/Qwen `<tool_call>`) and models with no markup at all (a bare
     JSON call, which the server reads too) are supported; other formats are refused.
     """
-    schema = {"anyOf": [_call_schema(t["function"]) for t in tools], "x-guidance": dict(JSON_LAYOUT, lenient=not strict)}
+    options = dict(JSON_LAYOUT, lenient=not strict)
+    schema = {"anyOf": [_call_schema(t["function"]) for t in tools], "x-guidance": options}
     body = "%json " + json.dumps(schema, ensure_ascii=False)
+    fmt = syntax.parser.__module__.rsplit(".", 1)[-1] if syntax else None
+    rules = []
     if syntax is None:
         call = body
-    elif syntax.parser.__module__.rsplit(".", 1)[-1] == "json_tools":
+    elif fmt == "json_tools":
         call = f'{_marker(grammars, syntax.start)} "\\n" {body} "\\n" {_marker(grammars, syntax.end)}'
+    elif fmt == "qwen3_coder":
+        names = [f"function{i}" for i in range(len(tools))]
+        for name, tool in zip(names, tools):
+            rules += _xml_function(name, tool["function"], options)
+        call = (f'{_marker(grammars, syntax.start)} "\\n" ({" | ".join(names)}) '
+                f'{_marker(grammars, syntax.end)}')
     else:
-        fmt = syntax.parser.__module__.rsplit(".", 1)[-1]
         raise bad_request(f"tool_choice: forcing a tool call needs a grammar of this model's call "
                           f"format ({fmt!r}), which this server does not have yet; use 'auto'",
                           "tool_choice")
     from llguidance import LLMatcher
 
-    more = ' ("\\n" call)*' if several else ""
-    return LLMatcher.grammar_from_lark(f"start: call{more}\ncall: {call}\n")
+    start = "call"
+    if several:  # bare JSON calls go in one array, which is what the server reads back
+        start = '"[" call (", " call)* "]"' if syntax is None else 'call ("\\n" call)*'
+    return LLMatcher.grammar_from_lark("\n".join([f"start: {start}", f"call: {call}", *rules]) + "\n")
+
+
+def _xml_function(rule: str, function: dict, options: dict) -> list[str]:
+    """Lark rules for one function in Qwen3-Coder's XML call format (Qwen3.5, Qwen3.6):
+    `<function=NAME>` then `<parameter=P>` VALUE `</parameter>` per argument, in schema order.
+
+    mlx-lm's parser keeps string values as the raw text and reads other types as JSON:
+    strings are free text up to the closing tag (enums and length bounds are kept),
+    everything else is JSON of the property's schema.
+    """
+    params = function.get("parameters") or {}
+    required = set(params.get("required") or [])
+    parts, rules = [], []
+    close = _literal("\n</parameter>\n")
+    for j, (name, prop) in enumerate((params.get("properties") or {}).items()):
+        value, text, opening = f"{rule}_{j}", _xml_text(prop), _literal(f"<parameter={name}>\n")
+        if text:  # free text ends lazily at the closing tag (a greedy lexeme would run past it)
+            rules.append(f"{value}[suffix={close}]: {text}")
+            part = f"{opening} {value}"
+        else:
+            rules.append(f"{value}: {_xml_value(prop, options)}")
+            part = f"{opening} {value} {close}"
+        parts.append(part if name in required else f"({part})?")
+    head = _literal(f"<function={function['name']}>\n")
+    return [f'{rule}: {head} {" ".join(parts)} "</function>\\n"', *rules]
+
+
+def _xml_text(prop) -> str | None:
+    """The regex of a value the parser keeps as raw text (a string without an enum), else None."""
+    if not isinstance(prop, dict) or prop.get("type", "string") != "string" or "enum" in prop:
+        return None
+    low, high = prop.get("minLength", 0), prop.get("maxLength")
+    return f"/(.|\\n){{{low},{'' if high is None else high}}}/"
+
+
+def _xml_value(prop, options: dict) -> str:
+    if isinstance(prop, dict) and isinstance(prop.get("enum"), list) and all(isinstance(v, str) for v in prop["enum"]):
+        return " | ".join(_literal(v) for v in prop["enum"])
+    return "%json " + json.dumps({**prop, "x-guidance": options}, ensure_ascii=False)
 
 
 def _call_schema(function: dict) -> dict:

@@ -311,6 +311,7 @@ def chat_request(body: ResponsesRequest, messages: list[ChatMessage]) -> ChatCom
             top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             tools=tools, tool_choice=tool_choice, response_format=response_format,
+            parallel_tool_calls=body.parallel_tool_calls,
         )
     except ValidationError as e:  # ResponsesRequest checked these fields; a 400 all the same
         raise bad_request(f"input: {e.errors()[0].get('msg', 'invalid value')}", "input") from None

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from mlxserve.api import images
+from mlxserve.api.constraints import constrain, openai_grammar
 from mlxserve.api.errors import APIError
 from mlxserve.api.generate import Choice, ClientGone, Run, collect
 from mlxserve.api.openai_routes import (
@@ -48,7 +49,7 @@ router = APIRouter()
 
 # Chat completions' names for what Responses calls otherwise, for error messages.
 RENAME = {"prompt": "input", "max_tokens": "max_output_tokens"}
-CHAT_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
+CHAT_PARAMS = {"response_format.json_schema": "text.format", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
                "messages": "input"}
 
 
@@ -76,11 +77,17 @@ def check_chat(chat) -> None:
     try:
         check_chat_supported(chat)
     except APIError as e:
-        name = CHAT_PARAMS.get(e.param, e.param)
-        if name != e.param:
-            e.message = name + e.message.removeprefix(e.param)
-            e.param = name
-        raise
+        raise renamed(e) from None
+
+
+def renamed(e: APIError) -> APIError:
+    """A chat-completions error as the Responses API names its field (text.format, not response_format)."""
+    for chat_name, name in CHAT_PARAMS.items():
+        if e.param and e.param.startswith(chat_name):
+            e.message = name + e.message.removeprefix(chat_name)
+            e.param = name + e.param.removeprefix(chat_name)
+            break
+    return e
 
 
 # ---- the response object ----
@@ -246,6 +253,10 @@ async def create_response(body: ResponsesRequest, request: Request):
     requests = engine_requests(state, chat, [prompt], api_id=head.response_id,
                                max_tokens=body.max_output_tokens, logprobs=False, top_logprobs=0,
                                rename=RENAME, arrival=arrival, images=prompt_images)
+    try:
+        await constrain(state, requests, openai_grammar(state, chat, tools))
+    except APIError as e:
+        raise renamed(e) from None
     run = Run(state, requests, RENAME)
     output = Output(ToolCalls(state.tokenizer, tools).stream())
 

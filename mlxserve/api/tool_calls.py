@@ -90,8 +90,9 @@ class ToolCallStream:
     known not to be, so markup never reaches the client as content. Whitespace
     is held too: it is dropped when a call follows, so the newline a model
     writes before `<tool_call>` does not become the whole content of a reply.
-    An answer that opens with "{" or "[" is held whole, as it may be a call in
-    bare JSON (`bare_calls`); answers in JSON then stream only at their end.
+    An answer that opens with "{" or "[" (bare or in a ```json fence) is held
+    whole, as it may be a call in bare JSON (`bare_calls`); answers in JSON
+    then stream only at their end.
     """
 
     def __init__(self, syntax: ToolSyntax | None, tools):
@@ -106,8 +107,8 @@ class ToolCallStream:
 
     def feed(self, text: str) -> list[str | ToolCall]:
         self.buffer += text
-        if self.bare is None and self.buffer.strip():
-            self.bare = self.buffer.lstrip()[0] in "{["
+        if self.bare is None:
+            self.bare = _opens_json(self.buffer)
         if self.bare is not False:
             return []  # held until the answer is whole (see finish)
         out: list[str | ToolCall] = []
@@ -165,16 +166,39 @@ class ToolCallStream:
         return False
 
 
+def _opens_json(text: str) -> bool | None:
+    """Whether an answer opens with JSON, bare or in a ```json fence; None while undecided."""
+    text = text.lstrip()
+    if not text or "```".startswith(text):
+        return None
+    if not text.startswith("```"):
+        return text[0] in "{["
+    if "\n" not in text:
+        return None
+    label, body = text[3:].split("\n", 1)
+    if label.strip() not in ("", "json"):
+        return False
+    body = body.lstrip()
+    return body[0] in "{[" if body else None
+
+
+def _unfenced(text: str) -> str:
+    text = text.strip()
+    if text.startswith("```") and text.endswith("```") and "\n" in text:
+        return text[:-3].split("\n", 1)[1]
+    return text
+
+
 def bare_calls(text: str, tools) -> list[ToolCall] | None:
     """Calls written as bare JSON, without the template's markup, or None.
 
     Small models often drop the markup (Qwen2.5-Coder-0.5B answers a tool
-    request with just `{"name": ..., "arguments": ...}`). Only a whole answer
-    that is such JSON, naming tools the request offered, counts, so ordinary
-    JSON answers stay text.
+    request with just `{"name": ..., "arguments": ...}`, or that JSON in a
+    ```json fence). Only a whole answer that is such JSON, naming tools the
+    request offered, counts, so ordinary JSON answers stay text.
     """
     try:
-        parsed = json.loads(text)
+        parsed = json.loads(_unfenced(text))
     except json.JSONDecodeError:
         return None
     calls = [_as_call(item) for item in (parsed if isinstance(parsed, list) else [parsed])]

@@ -120,9 +120,11 @@ def plot_or_defer(plot, results, path: Path, info: dict) -> None:
 def write_result(kind: str, info: dict, text: str, results, plot, out_dir) -> Path:
     """benchmarks/KIND-BACKEND-STAMP.{md,json,png}: the table, the raw numbers, the plot."""
     path = result_path(kind, info["backend"], out_dir)
-    path.with_suffix(".md").write_text(text + f"\n![{kind} benchmark]({path.name}.png)\n")
+    image = f"\n![{kind} benchmark]({path.name}.png)\n" if plot else ""
+    path.with_suffix(".md").write_text(text + image)
     save_json(path, {"info": info, "results": results})
-    plot_or_defer(plot, results, path, info)
+    if plot:
+        plot_or_defer(plot, results, path, info)
     return path
 
 
