@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from mlxserve.api.errors import APIError, from_engine
+from mlxserve.api.reasoning import detect as detect_reasoning
 from mlxserve.api.tokens import TokenBytes
 from mlxserve.engine.request import Request, RequestOutput, TokenLogprob
 
@@ -34,6 +35,7 @@ class ServerState:
         self.metrics = metrics
         self.tokenizer = loaded.tokenizer
         self.token_bytes = TokenBytes(loaded.tokenizer)
+        self.reasoning = detect_reasoning(loaded.tokenizer)  # None: the model does not reason
         self.model_name = server_cfg.served_model_name or loaded.name
         self.media_limits = MediaLimits.from_config(server_cfg)
         self.started = int(time.time())
