@@ -14,7 +14,9 @@ from mlxserve.api import images
 from mlxserve.api.constraints import anthropic_grammar, constrain
 from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
 from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect
+from mlxserve.api import thinking
 from mlxserve.api.openai_routes import CLIENT_CLOSED, state_of
+from mlxserve.api.reasoning import ReasoningSplitter
 from mlxserve.api.sse import SSEResponse, dumps, event
 from mlxserve.api.tokens import render
 from mlxserve.api.tool_calls import ToolCall, ToolCallStream, anthropic_tool_use, split_text, tool_syntax
@@ -27,9 +29,7 @@ router = APIRouter()
 
 def check_supported(body: Conversation) -> None:
     check_tools(body)
-    if body.thinking is not None and (not isinstance(body.thinking, dict)
-                                      or body.thinking.get("type") != "disabled"):
-        raise bad_request("thinking: extended thinking is not supported", "thinking")
+    thinking.check_thinking(body.thinking, getattr(body, "max_tokens", None))
 
 
 def check_tools(body: Conversation) -> None:
@@ -109,8 +109,10 @@ def assistant_message(content, where: str) -> dict:
     calls = [{"id": b.id, "type": "function",
               "function": {"name": b.name, "arguments": b.input if isinstance(b.input, dict) else {}}}
              for b in content if b.type == "tool_use"]
+    # Past thinking is accepted and left out, as the models' own templates drop past reasoning.
+    skipped = ("tool_use", "thinking", "redacted_thinking")
     message = {"role": "assistant",
-               "content": block_text([b for b in content if b.type != "tool_use"], where)}
+               "content": block_text([b for b in content if b.type not in skipped], where)}
     if calls:
         message["tool_calls"] = calls
     return message
@@ -132,7 +134,8 @@ async def prompt_ids(state: ServerState, body: Conversation) -> tuple[list[int],
             messages.append(assistant_message(m.content, where))
     # Anthropic continues a final assistant message instead of starting a new turn.
     prefill = body.messages[-1].role == "assistant"
-    prompt = render(state.tokenizer, messages, tools=template_tools(body), continue_final=prefill)
+    prompt = render(state.tokenizer, messages, tools=template_tools(body), continue_final=prefill,
+                    chat_template_kwargs=thinking.template_kwargs(body.thinking))
     return prompt, images.prompt_images(state, prompt, prepared, "messages")
 
 
@@ -149,12 +152,16 @@ def with_calls(reason: tuple[str, str | None], calls: bool) -> tuple[str, str | 
     return ("tool_use", None) if calls and reason[0] == "end_turn" else reason
 
 
-def response_content(choice: Choice, syntax, tools) -> tuple[list[dict], bool]:
-    """The answer's content blocks (text, then tool_use), and whether it called tools."""
-    text, calls = split_text(syntax, choice.text, tools) if tools else (choice.text, [])
+def response_content(choice: Choice, syntax, tools, splitter: ReasoningSplitter | None = None
+                     ) -> tuple[list[dict], bool]:
+    """The answer's content blocks (thinking, text, then tool_use), and whether it called tools."""
+    reasoning, content = splitter.split(choice.texts, choice.token_ids) if splitter else ("", choice.text)
+    head = [{"type": "thinking", "thinking": reasoning, "signature": thinking.signature(reasoning)}] \
+        if reasoning else []
+    text, calls = split_text(syntax, content, tools) if tools else (content, [])
     if not calls:
-        return [{"type": "text", "text": text}], False
-    return [*([{"type": "text", "text": text}] if text else []),
+        return [*head, {"type": "text", "text": text}], False
+    return [*head, *([{"type": "text", "text": text}] if text else []),
             *(anthropic_tool_use(c) for c in calls)], True
 
 
@@ -188,19 +195,29 @@ async def messages(body: MessagesRequest, request: Request):
         log.debug("messages request for user %r", body.metadata["user_id"])
     msg_id = f"msg_{uuid.uuid4().hex}"
     tools = template_tools(body)
-    requests = [EngineRequest(prompt, params, request_id=msg_id, arrival_time=arrival, images=prompt_images)]
-    await constrain(state, requests, anthropic_grammar(state, body, tools))
-    run = Run(state, requests, rename)
+    engine_request = EngineRequest(prompt, params, request_id=msg_id, arrival_time=arrival,
+                                   images=prompt_images)
+    grammar = anthropic_grammar(state, body, tools)
+    budget = thinking.budget(body.thinking)
+    if grammar is not None and budget is not None:
+        # Anthropic refuses this pair too: a forced call or format leaves no room to think first.
+        raise bad_request(f"thinking: cannot be combined with {grammar[1]}; turn thinking off", "thinking")
+    await constrain(state, [engine_request], grammar)
+    if budget is not None and state.reasoning is not None:
+        run = thinking.BudgetedRun(state, engine_request, budget, rename)
+    else:
+        run = Run(state, [engine_request], rename)
     head = {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_name}
     syntax = tool_syntax(state.tokenizer) if tools else None
+    splitter = state.reasoning.splitter(prompt) if state.reasoning else None
     if body.stream:
         stream = ToolCallStream(syntax, tools) if tools else None
-        return SSEResponse(message_events(run, head, len(prompt), stream), run)
+        return SSEResponse(message_events(run, head, len(prompt), stream, splitter), run)
     try:
         (choice,) = await collect(run, request)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-    content, called = response_content(choice, syntax, tools)
+    content, called = response_content(choice, syntax, tools, splitter)
     reason, sequence = with_calls(stop_reason(choice), called)
     return JSONResponse({
         **head,
@@ -224,15 +241,40 @@ class BlockEvents:
         self.index = 0
         self.text_open = False
         self.calls = 0
+        self.thinking: list[str] | None = None  # the open thinking block's text
+
+    def think(self, text: str) -> list[bytes]:
+        """A thinking delta, in a thinking block opened on its first one."""
+        out = []
+        if self.thinking is None:
+            self.thinking = []
+            out.append(event({"type": "content_block_start", "index": self.index, "content_block": {
+                "type": "thinking", "thinking": "", "signature": ""}}, "content_block_start"))
+        self.thinking.append(text)
+        out.append(event({"type": "content_block_delta", "index": self.index,
+                          "delta": {"type": "thinking_delta", "thinking": text}}, "content_block_delta"))
+        return out
+
+    def close_thinking(self) -> list[bytes]:
+        """Anthropic ends a thinking block with its signature."""
+        if self.thinking is None:
+            return []
+        sig = thinking.signature("".join(self.thinking))
+        self.thinking = None
+        self.index += 1
+        return [event({"type": "content_block_delta", "index": self.index - 1,
+                       "delta": {"type": "signature_delta", "signature": sig}}, "content_block_delta"),
+                event({"type": "content_block_stop", "index": self.index - 1}, "content_block_stop")]
 
     def open_text(self) -> list[bytes]:
+        out = self.close_thinking()
         self.text_open = True
-        return [event({"type": "content_block_start", "index": self.index,
-                       "content_block": {"type": "text", "text": ""}}, "content_block_start")]
+        return out + [event({"type": "content_block_start", "index": self.index,
+                             "content_block": {"type": "text", "text": ""}}, "content_block_start")]
 
     def close(self) -> list[bytes]:
         if not self.text_open:
-            return []
+            return self.close_thinking()
         self.text_open = False
         self.index += 1
         return [event({"type": "content_block_stop", "index": self.index - 1}, "content_block_stop")]
@@ -264,7 +306,8 @@ class BlockEvents:
         return out
 
 
-async def message_events(run: Run, head: dict, prompt_tokens: int, stream: ToolCallStream | None):
+async def message_events(run: Run, head: dict, prompt_tokens: int, stream: ToolCallStream | None,
+                         splitter: ReasoningSplitter | None = None):
     # Sent before the first token, so cached tokens are not known yet; message_delta
     # carries the final input and cache counts (as Anthropic's own stream does).
     start_usage = {"input_tokens": prompt_tokens, "output_tokens": 0,
@@ -275,14 +318,20 @@ async def message_events(run: Run, head: dict, prompt_tokens: int, stream: ToolC
         yield event({"type": "message_start", "message": {
             **head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage,
         }}, "message_start")
-        for e in blocks.open_text():
-            yield e
+        if splitter is None:  # a reasoning model's first block may be a thinking block
+            for e in blocks.open_text():
+                yield e
         yield event({"type": "ping"}, "ping")
         async for _, out in run:
             choice.add(out)
-            for e in blocks(out.new_text, out.finished):
+            reasoning, text = ("", out.new_text) if splitter is None else \
+                splitter.feed(out.new_text, out.new_token_ids, out.finished)
+            for e in (blocks.think(reasoning) if reasoning else []) + blocks(text, out.finished):
                 yield e
         reason, sequence = with_calls(stop_reason(choice), blocks.calls > 0)
+        if blocks.index == 0 and not blocks.text_open:  # nothing at all: one empty text block
+            for e in blocks.open_text():
+                yield e
         for e in blocks.close():
             yield e
         yield event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},

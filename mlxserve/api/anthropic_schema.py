@@ -1,8 +1,8 @@
 """Request bodies of Anthropic's Messages API (pydantic).
 
 Unknown fields are ignored. Content blocks other than text and tool use/results,
-server tools, extended thinking and structured output are declared so they can be refused with a
-clear 400. Current anthropic SDKs no longer send temperature/top_p/top_k
+server tools and structured output are declared so they can be refused with a
+clear 400; `thinking` is checked in `mlxserve.api.thinking`. Current anthropic SDKs no longer send temperature/top_p/top_k
 themselves; clients pass them in `extra_body`, and they are honoured.
 """
 
@@ -54,8 +54,7 @@ class Conversation(_Body):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: dict | None = None  # auto, any, tool (name) and none
-    # Declared only to be refused.
-    thinking: Any = None
+    thinking: Any = None  # {"type": "enabled", "budget_tokens": N} | {"type": "disabled"}
     output_config: dict | None = None  # its `format`: {type: json_schema, schema}
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from mlxserve.api.constraints import Grammars
 from mlxserve.api.errors import APIError, from_engine
+from mlxserve.api.reasoning import detect as detect_reasoning
 from mlxserve.api.tokens import TokenBytes
 from mlxserve.api.tool_calls import tool_syntax
 from mlxserve.engine.request import Request, RequestOutput, TokenLogprob
@@ -38,6 +39,7 @@ class ServerState:
         self.token_bytes = TokenBytes(loaded.tokenizer)
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
         self.tool_syntax = tool_syntax(loaded.tokenizer)  # None: no call markup mlx-lm knows
+        self.reasoning = detect_reasoning(loaded.tokenizer)  # None: the model does not reason
         self.model_name = server_cfg.served_model_name or loaded.name
         self.media_limits = MediaLimits.from_config(server_cfg)
         self.started = int(time.time())

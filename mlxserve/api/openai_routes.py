@@ -21,6 +21,7 @@ from mlxserve.api.openai_schema import (
     GenerationFields,
     ImageURL,
 )
+from mlxserve.api.reasoning import ReasoningSplitter, ReasoningSyntax
 from mlxserve.api.sse import DONE, SSEResponse, event
 from mlxserve.api.tokens import clamp, render
 from mlxserve.api.tool_calls import ToolCall, ToolCallStream, openai_tool_call, split_text, tool_syntax
@@ -205,7 +206,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     tools = None
     if body.tools and body.tool_choice != "none":  # 'none': the model is not told of tools
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    prompt = render(state.tokenizer, messages, tools=tools, chat_template_kwargs=body.chat_template_kwargs)
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:  # gpt-oss's templates read it
+        template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    prompt = render(state.tokenizer, messages, tools=tools, chat_template_kwargs=template_kwargs)
     grammar = openai_grammar(state, body, tools)
     prompt_images = images.prompt_images(state, prompt, prepared, "messages")
     use_mct = body.max_completion_tokens is not None
@@ -221,7 +225,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     n = body.n or 1
     head = {"id": api_id, "created": int(time.time()), "model": state.model_name,
             "system_fingerprint": state.loaded.fingerprint[:16]}
-    calls = ToolCalls(state.tokenizer, tools)
+    calls = ToolCalls(state.tokenizer, tools, state.reasoning, prompt)
     if body.stream:
         return SSEResponse(chat_events(state, run, head, n, bool(body.logprobs), include_usage, calls),
                            run)
@@ -250,16 +254,28 @@ class ToolCalls:
 
     Off (text stays content) when the request offered no tools. A model whose
     template has no call markup mlx-lm knows can still answer with a bare JSON call.
+    A reasoning model's reasoning is split off first (`reasoning_content`), and
+    calls are read from the answer only.
     """
 
-    def __init__(self, tokenizer, tools):
+    def __init__(self, tokenizer, tools, reasoning: ReasoningSyntax | None = None, prompt=()):
         self.tools = tools
         self.syntax = tool_syntax(tokenizer) if tools else None
+        self.reasoning = reasoning
+        self.prompt = prompt
+
+    def splitter(self) -> ReasoningSplitter | None:
+        return self.reasoning.splitter(self.prompt) if self.reasoning else None
 
     def message(self, choice: Choice) -> dict:
         """The choice's `message` and `finish_reason`."""
-        text, calls = split_text(self.syntax, choice.text, self.tools) if self.tools else (choice.text, [])
+        reasoning, content = None, choice.text
+        if self.reasoning:
+            reasoning, content = self.splitter().split(choice.texts, choice.token_ids)
+        text, calls = split_text(self.syntax, content, self.tools) if self.tools else (content, [])
         message = {"role": "assistant", "content": text, "refusal": None}
+        if self.reasoning:  # vLLM's and DeepSeek's name, and vLLM's newer one
+            message["reasoning_content"] = message["reasoning"] = reasoning or None
         if not calls:
             return {"message": message, "finish_reason": choice.finish_reason}
         message["content"] = text or None  # OpenAI: null content beside tool calls
@@ -334,13 +350,18 @@ def chat_events(state: ServerState, run: Run, head: dict, n: int, logprobs: bool
 
     choices = [Choice() for _ in range(n)]
     deltas = [ChatDeltas(calls.stream()) for _ in range(n)]
+    splits = [calls.splitter() for _ in range(n)]
 
     async def chunks():
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
         async for i, out in run:
             choices[i].add(out)
-            text, tool_calls = deltas[i](out.new_text, out.finished)
+            reasoning, text = ("", out.new_text) if splits[i] is None else \
+                splits[i].feed(out.new_text, out.new_token_ids, out.finished)
+            if reasoning:
+                yield chunk(i, {"reasoning_content": reasoning, "reasoning": reasoning})
+            text, tool_calls = deltas[i](text, out.finished)
             lps = None
             if logprobs:
                 lps = {"content": chat_logprobs(state, visible_logprobs(out)), "refusal": None}

@@ -129,6 +129,7 @@ class ChatCompletionRequest(GenerationFields):
     parallel_tool_calls: bool | None = None  # false: a forced call is one call
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # passed to the template
     # Declared only to be refused (see check_supported).
     functions: list | None = None
     function_call: Any = None
