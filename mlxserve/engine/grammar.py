@@ -1,28 +1,34 @@
-"""Constrained decoding: a logits processor that lets through only what a grammar accepts next.
+"""Constrained decoding: only tokens a grammar accepts next can be sampled.
 
 llguidance (the grammar engine vLLM and SGLang use too) keeps each row's
 parser state in an `LLMatcher` and writes the allowed tokens as a bitmask.
-The processor is an ordinary mlx-lm logits processor, so constrained and free
-rows share one batch and the prefix cache stays on.
+A constrained row carries a `GrammarProcessor` among its logits processors,
+so constrained and free rows share one batch and the prefix cache stays on.
 
 The mask for step t depends on the token sampled at step t-1, so it cannot be
-computed ahead. What can overlap is the forward pass: the processor starts
-step t's forward pass (`async_eval`) before it waits for that token, and the
-host fills the mask while the accelerator runs the model.
+computed ahead, but it can overlap the forward pass: the step dispatches its
+forward pass first, then reads the previous tokens (waiting for the last
+step's sampling only, not for the forward pass behind it), and fills the
+masks on the host while the accelerator runs the model. In a batch, every
+constrained row's mask is filled in one parallel llguidance call and applied
+to the batch's logits at once (`ConstrainedGenerationBatch`); mlx-lm's
+per-row processor loop would read each row's token through a kernel queued
+behind the forward pass, and so wait for it.
 """
 
 from __future__ import annotations
 
+import importlib
 import time
 
 import mlx.core as mx
 import numpy as np
-from llguidance import LLMatcher
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+from llguidance import LLExecutor, LLMatcher
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
 
 
 class MaskStats:
-    """Host time spent filling masks, for `mlxserve bench grammar` and /metrics."""
+    """Host time spent filling masks, for `mlxserve bench grammar`."""
 
     def __init__(self):
         self.seconds = 0.0
@@ -33,45 +39,136 @@ class MaskStats:
 
 
 mask_stats = MaskStats()
+# The module, not the function of the same name that mlx_lm's package exports over it.
+_generate = importlib.import_module("mlx_lm.generate")
+_executor: LLExecutor | None = None
 
 
 def allowed_tokens(bitmask: np.ndarray, vocab_size: int) -> mx.array:
-    """llguidance's packed bitmask (one bit per token, 32 per int32) as a boolean row."""
+    """llguidance's packed bitmask (one bit per token, 32 per int32) as booleans, one row per row."""
     words = mx.array(bitmask)
     bits = (words[..., None] >> mx.arange(32, dtype=mx.int32)) & 1
     return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(mx.bool_)
 
 
 class GrammarProcessor:
-    """One row's constraint. Called once per sampled token, in order (mlx-lm's contract).
+    """One row's constraint. Called once per sampled token, in order.
 
-    The first call sees the prompt's last token as the context's tail; every
-    later call sees the token sampled after the call before, which the
-    matcher consumes before it computes the next mask.
+    The first call comes with the prompt's last token fed; every later call
+    with the token sampled after the call before, which the matcher consumes
+    before it computes the next mask.
     """
 
     def __init__(self, matcher: LLMatcher, vocab_size: int, eos_token_ids):
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self.bitmask = allocate_token_bitmask(1, vocab_size)
         self.calls = 0
 
-    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        mx.async_eval(logits)  # the forward pass runs while the host computes the mask
+    def advance(self, previous: int) -> None:
+        """Consume the token sampled under the last mask (nothing before the first mask)."""
         if self.calls:
-            self.matcher.consume_token(int(tokens[-1].item()))
+            self.matcher.consume_token(previous)
         self.calls += 1
-        start = time.perf_counter()
-        fill_next_token_bitmask(self.matcher, self.bitmask)
-        if not self.bitmask.any():
+
+    def check(self, bitmask_row: np.ndarray) -> None:
+        if not bitmask_row.any():
             # A matcher in an error state allows nothing; ending the row is the honest way out.
-            self._allow_eos()
+            words = bitmask_row.view(np.uint32)
+            for t in self.eos_token_ids:
+                words[t // 32] |= np.uint32(1 << (t % 32))
+
+    def __call__(self, fed: mx.array, logits: mx.array) -> mx.array:
+        """The lone path: `fed` is what this forward pass takes (the last sampled token)."""
+        mx.async_eval(logits)
+        self.advance(int(fed.item()) if self.calls else 0)  # fed is already queued: no new kernel
+        start = time.perf_counter()
+        bitmask = allocate_token_bitmask(1, self.vocab_size)
+        fill_next_token_bitmask(self.matcher, bitmask)
+        self.check(bitmask[0])
         mask_stats.seconds += time.perf_counter() - start
         mask_stats.masks += 1
-        return mx.where(allowed_tokens(self.bitmask, logits.shape[-1]), logits, -mx.inf)
+        return mx.where(allowed_tokens(bitmask, logits.shape[-1]), logits, -mx.inf)
 
-    def _allow_eos(self) -> None:
-        words = self.bitmask.view(np.uint32)
-        for t in self.eos_token_ids:
-            words[0, t // 32] |= np.uint32(1 << (t % 32))
+
+def grammar_of(processors) -> GrammarProcessor | None:
+    """A row's grammar: the last of its processors, where make_processors puts it."""
+    return processors[-1] if processors and isinstance(processors[-1], GrammarProcessor) else None
+
+
+def batch_masks(grammars: list[GrammarProcessor | None], previous: list[int], vocab_size: int) -> mx.array:
+    """(B, vocab) booleans: each constrained row's allowed tokens, all tokens for free rows."""
+    global _executor
+    start = time.perf_counter()
+    bitmask = allocate_token_bitmask(len(grammars), vocab_size)  # all ones: free rows
+    rows = []
+    for e, g in enumerate(grammars):
+        if g is not None:
+            g.advance(previous[e])
+            rows.append((g.matcher, e))
+    if len(rows) == 1:
+        fill_next_token_bitmask(rows[0][0], bitmask, rows[0][1])
+    else:
+        if _executor is None:
+            _executor = LLExecutor()
+        fill_next_token_bitmask_par(_executor, rows, bitmask)
+    for _, e in rows:
+        grammars[e].check(bitmask[e])
+    mask_stats.seconds += time.perf_counter() - start
+    mask_stats.masks += len(rows)
+    return allowed_tokens(bitmask, vocab_size)
+
+
+class ConstrainedGenerationBatch(_generate.GenerationBatch):
+    """mlx-lm's GenerationBatch, whose step masks constrained rows as one batch (see the module doc).
+
+    A step without constrained rows is mlx-lm's own.
+    """
+
+    def _step(self):
+        grammars = [grammar_of(p) for p in self.logits_processors] if self.logits_processors else []
+        if not any(grammars):
+            return super()._step()
+        self._current_tokens = self._next_tokens
+        self._current_logprobs = self._next_logprobs
+        inputs = self._current_tokens
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        mx.async_eval(logits)  # the forward pass first: the masks are filled while it runs
+        previous = inputs.tolist()  # the last step's sampled tokens, already queued
+        allowed = batch_masks(grammars, previous, logits.shape[-1])
+
+        token_context = []
+        if any(len(p) > (g is not None) for p, g in zip(self.logits_processors, grammars)):
+            rows = []
+            for e, processors in enumerate(self.logits_processors):
+                row = logits[e:e + 1]
+                others = processors[:-1] if grammars[e] is not None else processors
+                if others:
+                    context = self._token_context[e].update_and_fetch(inputs[e:e + 1])
+                    token_context.append(context)
+                    for processor in others:
+                        row = processor(context, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        # After the penalties and biases, so none of them can lift a token the grammar rules out.
+        logits = mx.where(allowed, logits, -mx.inf)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+        samplers = [self.fallback_sampler if s is None else s
+                    for s in (self.samplers or [None] * len(self.uids))]
+        if all(s is samplers[0] for s in samplers):
+            sampled = samplers[0](logprobs)
+        else:
+            sampled = mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
+        self._next_tokens = sampled
+        self._next_logprobs = list(logprobs)
+        mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
+        mx.eval(self._current_logprobs)
+        for tokens, token in zip(self.tokens, previous):
+            tokens.append(token)
+        return previous, self._current_logprobs
+
+
+def install() -> None:
+    """Make mlx-lm's BatchGenerator build ConstrainedGenerationBatch (it names the class at call time)."""
+    _generate.GenerationBatch = ConstrainedGenerationBatch

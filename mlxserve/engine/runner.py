@@ -19,11 +19,14 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 
 from mlxserve.cache.quantized import make_cache, set_dequantize
+from mlxserve.engine import grammar as constrained
+from mlxserve.engine.grammar import grammar_of
 from mlxserve.engine.media import MediaPrefill
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import top_logprobs
 
 log = logging.getLogger("mlxserve.engine")
+constrained.install()  # batches mask their constrained rows together (engine/grammar.py)
 
 
 @dataclass
@@ -112,10 +115,13 @@ class SoloDecoder:
 
     def _forward(self, tokens: mx.array, inputs: dict | None = None):
         logits = self.model(tokens[None], cache=self.cache, **(inputs or {}))[:, -1, :]
+        grammar = grammar_of(self.seq.processors)
         if self.seq.processors:
             self._extend_context(tokens)
-            for processor in self.seq.processors:
+            for processor in self.seq.processors[:-1] if grammar else self.seq.processors:
                 logits = processor(self.context, logits)
+        if grammar is not None:
+            logits = grammar(tokens, logits)  # the fed token itself: reading it queues no kernel
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampler = self.seq.sampler
         token = sampler(logprobs) if sampler else mx.argmax(logprobs, axis=-1)
