@@ -383,7 +383,7 @@ def completion_prompts(state: ServerState, prompt) -> list[tuple[list[int], str]
         prompt = [prompt]
     out = []
     vocab = state.loaded.vocab_size
-    for i, p in enumerate(prompt):
+    for p in prompt:
         if isinstance(p, str):
             out.append((state.tokenizer.encode(p), p))
             continue
@@ -393,8 +393,7 @@ def completion_prompts(state: ServerState, prompt) -> list[tuple[list[int], str]
         try:
             out.append((list(p), state.tokenizer.decode(list(p))))
         except Exception:  # noqa: BLE001 - ids the model has but the tokenizer does not (padding rows)
-            raise bad_request(f"prompt: the tokenizer cannot decode token ids {list(p)[:16]}...",
-                              "prompt") from None
+            raise bad_request("prompt: the tokenizer cannot decode these token ids", "prompt") from None
     return out
 
 
@@ -469,15 +468,21 @@ async def completions(body: CompletionRequest, request: Request):
         choices = await collect(run, request)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
+
+    def logprobs_of(i: int, c: Choice) -> dict | None:
+        if body.logprobs is None:
+            return None
+        if scored:
+            return echo_logprobs(state, prompts[i // n][0], echoes[i], c.prompt_logprobs, c.all_logprobs)
+        return LegacyLogprobs(state, len(echoes[i]))(c.logprobs)
+
     return JSONResponse({
         **head,
         "choices": [
             {
                 "index": i,
                 "text": echoes[i] + c.text,
-                "logprobs": None if body.logprobs is None
-                else echo_logprobs(state, prompts[i // n][0], echoes[i], c.prompt_logprobs, c.all_logprobs)
-                if scored else LegacyLogprobs(state, len(echoes[i]))(c.logprobs),
+                "logprobs": logprobs_of(i, c),
                 "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(choices)
@@ -509,7 +514,9 @@ def completion_events(state: ServerState, run: Run, head: dict, n: int, echoes: 
             if scored_prompts and out.prompt_logprobs is not None:
                 ids = scored_prompts[i // n]
                 yield chunk(i, echoes[i], lps=LegacyLogprobs(state, 0).prompt(ids[0], out.prompt_logprobs))
-            lps = legacy[i](out.logprobs or [] if scored_prompts else visible_logprobs(out)) if logprobs else None
+            lps = None
+            if logprobs:  # with echo, the stop token keeps its entry (see echo_logprobs)
+                lps = legacy[i]((out.logprobs or []) if scored_prompts else visible_logprobs(out))
             if out.new_text or (lps and lps["tokens"]) or out.finished:
                 yield chunk(i, out.new_text, finish=out.finish_reason, lps=lps)
 
