@@ -25,6 +25,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     time_to_first_token: float | None = None
     extra: dict = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
 def render_chat(tokenizer, messages: list[dict], *, tools=None, chat_template_kwargs=None,
@@ -49,6 +50,8 @@ async def collect(stream, prompt_tokens: int) -> CompletionOutput:
         out.token_ids += step.new_token_ids
         if step.logprobs is not None:
             out.logprobs = (out.logprobs or []) + step.logprobs
+        if step.prompt_logprobs is not None:
+            out.prompt_logprobs = step.prompt_logprobs
         out.finish_reason = step.finish_reason
         out.cached_tokens = step.cached_tokens
         out.stop_reason = step.stop_reason

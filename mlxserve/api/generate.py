@@ -133,6 +133,8 @@ class Choice:
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    all_logprobs: list[TokenLogprob] = field(default_factory=list)  # the stop token's too
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
@@ -143,6 +145,9 @@ class Choice:
         self.texts.append(out.new_text)
         self.token_ids += out.new_token_ids
         self.logprobs += visible_logprobs(out)
+        self.all_logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason = out.finish_reason
         self.stop_reason = out.stop_reason
         self.prompt_tokens = out.prompt_tokens

@@ -42,7 +42,8 @@ def state_of(request: Request) -> ServerState:
 # ---- request -> engine requests ----
 
 def sampling_params(body: GenerationFields, *, max_tokens, logprobs: bool, top_logprobs: int,
-                    seed: int | None, vocab_size: int, rename: dict) -> SamplingParams:
+                    seed: int | None, vocab_size: int, rename: dict,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         try:
@@ -71,6 +72,7 @@ def sampling_params(body: GenerationFields, *, max_tokens, logprobs: bool, top_l
             logit_bias=bias,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         raise from_engine(e, rename) from None
@@ -78,7 +80,7 @@ def sampling_params(body: GenerationFields, *, max_tokens, logprobs: bool, top_l
 
 def engine_requests(state: ServerState, body: GenerationFields, prompts: list[list[int]], *,
                     api_id: str, max_tokens, logprobs: bool, top_logprobs: int, rename: dict,
-                    arrival: float, images=()) -> list[EngineRequest]:
+                    arrival: float, images=(), prompt_logprobs: int | None = None) -> list[EngineRequest]:
     """n requests per prompt, prompt-major, so run index == choice index.
 
     With a seed, choice j samples with seed + j: n choices with one seed would
@@ -90,7 +92,7 @@ def engine_requests(state: ServerState, body: GenerationFields, prompts: list[li
     params = [
         sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top_logprobs,
                         seed=None if body.seed is None else body.seed + j, vocab_size=vocab,
-                        rename=rename)
+                        rename=rename, prompt_logprobs=prompt_logprobs)
         for j in range(n)
     ]
     if body.user:
@@ -384,9 +386,6 @@ def check_completion_supported(body: CompletionRequest) -> None:
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise bad_request("best_of: ranking several samples by likelihood is not supported; "
                           "use n to get several completions", "best_of")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("logprobs: with echo, logprobs would need the prompt's logprobs, which "
-                          "this server does not compute; drop echo or logprobs", "logprobs")
 
 
 def completion_prompts(state: ServerState, prompt) -> list[tuple[list[int], str]]:
@@ -398,11 +397,18 @@ def completion_prompts(state: ServerState, prompt) -> list[tuple[list[int], str]
     if isinstance(prompt[0], int):
         prompt = [prompt]
     out = []
+    vocab = state.loaded.vocab_size
     for p in prompt:
         if isinstance(p, str):
             out.append((state.tokenizer.encode(p), p))
-        else:
+            continue
+        bad = next((t for t in p if not 0 <= t < vocab), None) if vocab else None
+        if bad is not None:
+            raise bad_request(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        try:
             out.append((list(p), state.tokenizer.decode(list(p))))
+        except Exception:  # noqa: BLE001 - ids the model has but the tokenizer does not (padding rows)
+            raise bad_request("prompt: the tokenizer cannot decode these token ids", "prompt") from None
     return out
 
 
@@ -426,6 +432,25 @@ class LegacyLogprobs:
             self.offset += len(token)
         return out
 
+    def prompt(self, first_token: int, lps) -> dict:
+        """The echoed prompt's entries: the first token has no logprob (null, as OpenAI's)."""
+        token = self.tb.text(first_token)
+        head = {"tokens": [token], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [self.offset]}
+        self.offset += len(token)
+        rest = self(lps[1:])
+        return {k: head[k] + rest[k] for k in head}
+
+
+def echo_logprobs(state: ServerState, prompt_ids: list[int], echo: str, prompt_lps, generated) -> dict:
+    """echo with logprobs: the prompt's entries, then the generated tokens' (from len(echo) on).
+
+    The generated part keeps the stop token that ended the choice, as vLLM does: scorers
+    (lm-eval) count on one entry per prompt token plus one per generated token.
+    """
+    head = LegacyLogprobs(state, 0).prompt(prompt_ids[0], prompt_lps or [None])
+    tail = LegacyLogprobs(state, len(echo))(generated)
+    return {k: head[k] + tail[k] for k in head}
+
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
@@ -436,12 +461,15 @@ async def completions(body: CompletionRequest, request: Request):
     include_usage = check_stream_options(body)
     prompts = completion_prompts(state, body.prompt)
     n = body.n or 1
-    rename = {"top_logprobs": "logprobs"}
+    rename = {"top_logprobs": "logprobs", "prompt_logprobs": "logprobs"}
     api_id = f"cmpl-{uuid.uuid4().hex}"
+    # echo with logprobs reports the prompt's logprobs too; max_tokens 0 only runs the prompt.
+    scored = bool(body.echo) and body.logprobs is not None
+    prompt_logprobs = body.logprobs if scored else (0 if body.max_tokens == 0 else None)
     requests = engine_requests(
         state, body, [ids for ids, _ in prompts], api_id=api_id, max_tokens=body.max_tokens,
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, rename=rename,
-        arrival=arrival)
+        arrival=arrival, prompt_logprobs=prompt_logprobs)
     await constrain(state, requests, openai_grammar(state, body))
     run = Run(state, requests, rename)
     # Text before each choice's completion: the prompt with echo, else nothing.
@@ -450,19 +478,27 @@ async def completions(body: CompletionRequest, request: Request):
             "model": state.model_name, "system_fingerprint": state.loaded.fingerprint[:16]}
     if body.stream:
         return SSEResponse(completion_events(state, run, head, n, echoes, body.logprobs is not None,
-                                             include_usage), run)
+                                             include_usage, [p[0] for p in prompts] if scored else None),
+                           run)
     try:
         choices = await collect(run, request)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
+
+    def logprobs_of(i: int, c: Choice) -> dict | None:
+        if body.logprobs is None:
+            return None
+        if scored:
+            return echo_logprobs(state, prompts[i // n][0], echoes[i], c.prompt_logprobs, c.all_logprobs)
+        return LegacyLogprobs(state, len(echoes[i]))(c.logprobs)
+
     return JSONResponse({
         **head,
         "choices": [
             {
                 "index": i,
                 "text": echoes[i] + c.text,
-                "logprobs": LegacyLogprobs(state, len(echoes[i]))(c.logprobs)
-                if body.logprobs is not None else None,
+                "logprobs": logprobs_of(i, c),
                 "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(choices)
@@ -472,7 +508,8 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 def completion_events(state: ServerState, run: Run, head: dict, n: int, echoes: list[str],
-                      logprobs: bool, include_usage: bool):
+                      logprobs: bool, include_usage: bool, scored_prompts: list[list[int]] | None = None):
+    """scored_prompts (echo with logprobs): each choice's echo waits for its prompt's logprobs."""
     base = dict(head)
     if include_usage:
         base["usage"] = None
@@ -486,11 +523,16 @@ def completion_events(state: ServerState, run: Run, head: dict, n: int, echoes: 
 
     async def chunks():
         for i, echo in enumerate(echoes):
-            if echo:
+            if echo and not scored_prompts:
                 yield chunk(i, echo)
         async for i, out in run:
             choices[i].add(out)
-            lps = legacy[i](visible_logprobs(out)) if logprobs else None
+            if scored_prompts and out.prompt_logprobs is not None:
+                ids = scored_prompts[i // n]
+                yield chunk(i, echoes[i], lps=LegacyLogprobs(state, 0).prompt(ids[0], out.prompt_logprobs))
+            lps = None
+            if logprobs:  # with echo, the stop token keeps its entry (see echo_logprobs)
+                lps = legacy[i]((out.logprobs or []) if scored_prompts else visible_logprobs(out))
             if out.new_text or (lps and lps["tokens"]) or out.finished:
                 yield chunk(i, out.new_text, finish=out.finish_reason, lps=lps)
 

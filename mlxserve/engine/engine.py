@@ -52,6 +52,7 @@ class _Token:
     top: list
     cached_tokens: int
     time: float
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -116,7 +117,7 @@ class AsyncEngine:
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         """The request's output budget; raises if it cannot fit the context."""
         room = self.max_model_len - num_prompt_tokens
-        if room < 1:
+        if room < (0 if max_tokens == 0 else 1):  # max_tokens 0: a prompt scored, nothing generated
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_model_len} tokens, "
                 f"and the prompt has {num_prompt_tokens} tokens: no room for output."
@@ -145,6 +146,8 @@ class AsyncEngine:
         vocab = self.loaded.vocab_size
         if vocab and any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if request.images and request.params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not supported for prompts with images")
         max_tokens = self.check_length(len(request.prompt_token_ids), request.params.max_tokens)
         if len(self._streams) >= self.config.max_num_seqs + self.config.max_queue:
             raise QueueFullError(
@@ -227,9 +230,16 @@ class AsyncEngine:
                                             prompt_tokens=len(request.prompt_token_ids),
                                             completion_tokens=completion_tokens)
                         break
-                    completion_tokens += 1
                     if first_token_time is None:
                         first_token_time = item.time - request.arrival_time
+                    if item.token is None:  # max_tokens 0: the prompt was scored, nothing generated
+                        done = True
+                        yield RequestOutput(request.request_id, [], "", finish_reason=item.finish_reason,
+                                            prompt_tokens=len(request.prompt_token_ids),
+                                            prompt_logprobs=item.prompt_logprobs,
+                                            first_token_time=first_token_time)
+                        break
+                    completion_tokens += 1
                     finish, stop_reason = item.finish_reason, None
                     text = "" if item.is_stop_token else detok.add([item.token])
                     if finish:
@@ -254,6 +264,7 @@ class AsyncEngine:
                         cached_tokens=item.cached_tokens,
                         first_token_time=first_token_time,
                         stop_reason=stop_reason,
+                        prompt_logprobs=item.prompt_logprobs,
                     )
                     if finish:
                         done = True
@@ -437,7 +448,7 @@ class AsyncEngine:
                 outbox.setdefault(ev.seq.request_id, []).append(
                     _Token(ev.token, ev.finish_reason,
                            ev.finish_reason == "stop" and ev.token in ev.seq.stop_ids,
-                           ev.logprob, ev.top, ev.seq.cached_tokens, now)
+                           ev.logprob, ev.top, ev.seq.cached_tokens, now, ev.prompt_logprobs)
                 )
             self.num_running = scheduler.num_running
             self.num_waiting = len(scheduler.waiting)

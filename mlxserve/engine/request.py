@@ -41,6 +41,8 @@ class SamplingParams:
     # An llguidance LLMatcher (plain Python, one per request: it keeps the row's parser
     # state): only tokens its grammar accepts are sampled. See engine/grammar.py.
     grammar: Any = None
+    # Logprobs of the prompt's tokens, with this many best per position (engine/scoring.py).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -61,8 +63,14 @@ class SamplingParams:
                 bad(name, f"must be finite, got {value!r}")
             return value
 
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
+        # max_tokens 0: score the prompt only (nothing else to do without generating).
+        least = 0 if self.prompt_logprobs is not None else 1
         if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < least
         ):
             bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
         if finite("temperature") < 0:
@@ -171,6 +179,8 @@ class RequestOutput:
     first_token_time: float | None = None  # seconds since arrival
     error: str | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
+    # With params.prompt_logprobs, on the first output: one per prompt token (None for the first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -24,6 +24,7 @@ from mlxserve.engine.grammar import grammar_of
 from mlxserve.engine.media import MediaPrefill
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import top_logprobs
+from mlxserve.engine.scoring import PromptScorer
 
 log = logging.getLogger("mlxserve.engine")
 constrained.install()  # batches mask their constrained rows together (engine/grammar.py)
@@ -46,6 +47,7 @@ class Sequence:
     extra_keys: list | None = None  # per block: the images in it (see Request.block_extra_keys)
     # Token counts where prefill passes stop and keep recurrent states (PrefixCache.checkpoints).
     checkpoints: list[int] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # computed by a PromptScorer; its first event carries them
 
     def cut(self, done: int, n: int) -> int:
         """The next prefill pass's length from `done` tokens: at most n, ending at a checkpoint."""
@@ -71,10 +73,13 @@ class TokenEvent:
     finish_reason: str | None
     logprob: float | None = None
     top: list = field(default_factory=list)
+    prompt_logprobs: list | None = None  # on the sequence's first event, when it asked for them
 
 
-def _event(seq: Sequence, token: int, finish: str | None, row: mx.array | None) -> TokenEvent:
-    event = TokenEvent(seq, token, finish)
+def _event(seq: Sequence, token: int | None, finish: str | None, row: mx.array | None) -> TokenEvent:
+    # token None: a prompt-only request (max_tokens 0) that ends without generating.
+    event = TokenEvent(seq, token, finish, prompt_logprobs=seq.prompt_logprobs)
+    seq.prompt_logprobs = None
     if seq.request.params.logprobs and row is not None:
         event.logprob, event.top = top_logprobs(row, token, seq.request.params.top_logprobs)
     return event
@@ -227,6 +232,7 @@ class Runner:
         self.keep_image_embeddings = keep_image_embeddings
         self.vision_step_s = vision_step_s
         self.media: list[MediaPrefill] = []  # prompts with images, being prefilled (in order)
+        self.scoring: list[PromptScorer] = []  # prompts whose logprobs are asked for, being scored (in order)
         self.failed: list[tuple[Sequence, str]] = []  # sequences that failed alone; the engine drains it
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
@@ -246,13 +252,13 @@ class Runner:
 
     @property
     def sequences(self) -> list[Sequence]:
-        seqs = list(self.batch.values()) + [m.seq for m in self.media]
+        seqs = list(self.batch.values()) + [m.seq for m in self.media] + [s.seq for s in self.scoring]
         if self.solo is not None:
             seqs.append(self.solo.seq)
         return seqs
 
     def __len__(self) -> int:
-        return len(self.batch) + len(self.media) + (self.solo is not None)
+        return len(self.batch) + len(self.media) + len(self.scoring) + (self.solo is not None)
 
     def _restore_prefix(self, seq: Sequence):
         """The longest cached prefix of the prompt as a ready cache, or None."""
@@ -274,6 +280,11 @@ class Runner:
         """Start a sequence. May return an event of a solo sequence moved into the batch."""
         if seq.request.images and self.vision is None:
             raise ValueError("this model takes no images")
+        if seq.request.params.prompt_logprobs is not None:  # a fresh cache: see engine/scoring.py
+            self.scoring.append(PromptScorer(self.model, seq, self.prefill_chunk_size,
+                                             make_cache(self.model, self.kv_bits, dequantize=self.dequantize_kv),
+                                             self.prefix_cache))
+            return []
         cache = self._restore_prefix(seq)
         if cache is None:
             cache = make_cache(self.model, self.kv_bits, dequantize=self.dequantize_kv)
@@ -328,6 +339,8 @@ class Runner:
     def remove(self, seq: Sequence) -> None:
         if self.solo is not None and self.solo.seq is seq:
             self.solo = None
+        elif any(s.seq is seq for s in self.scoring):
+            self.scoring = [s for s in self.scoring if s.seq is not seq]
         elif any(m.seq is seq for m in self.media):
             for m in self.media:
                 if m.seq is seq:
@@ -340,6 +353,8 @@ class Runner:
     def step(self) -> list[TokenEvent]:
         """One engine step: a decode step for all, plus one prefill chunk (and one unit of image work)."""
         events = self._media_step() if self.media else []
+        if self.scoring:
+            events += self._scoring_step()
         if self.solo is not None:
             event = self.solo.step()
             if event is None:
@@ -371,6 +386,27 @@ class Runner:
             return []
         self.media.pop(0)
         return self._start(m.seq, m.cache, m.end)
+
+    def _scoring_step(self) -> list[TokenEvent]:
+        """One chunk of the first prompt being scored; once scored, it starts (or ends: max_tokens 0)."""
+        scorer = self.scoring[0]
+        if not scorer.finished:
+            try:
+                scorer.step()
+            except Exception as e:  # noqa: BLE001 - fail this request, keep the others running
+                log.exception("prompt scoring failed")
+                self.scoring.pop(0)
+                self.failed.append((scorer.seq, f"prompt scoring failed: {e}"))
+                return []
+            if not scorer.finished:
+                return []
+        self.scoring.pop(0)
+        scorer.finish()
+        seq = scorer.seq
+        if seq.max_tokens == 0:
+            scorer.store_blocks(finished=True)
+            return [_event(seq, None, "length", None)]
+        return self._start(seq, scorer.cache, scorer.done)
 
     def _batch_step(self) -> list[TokenEvent]:
         prompt_progress, responses = self.generator.next()
@@ -435,6 +471,7 @@ class Runner:
         for m in self.media:
             m.close()
         self.media.clear()
+        self.scoring.clear()
         self.batch.clear()
         self.generator.close()
         self.generator = self._new_generator()
