@@ -423,3 +423,19 @@ def test_anthropic_past_thinking_blocks_accepted(server):
     msg = client.messages.create(model="qwen3-tiny", max_tokens=4, messages=messages,
                                  thinking={"type": "disabled"})
     assert msg.content[0].type == "text"
+
+
+def test_live_responses_reasoning_item(think_server):
+    """The Responses API puts the reasoning in a `reasoning` item before the message, streamed or not."""
+    client = openai.OpenAI(base_url=think_server.base_url, api_key="x")
+    chat = client.chat.completions.create(model="qwen3-tiny", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=8, temperature=0).choices[0].message
+    assert chat.reasoning_content  # the template opened <think>: the output starts as reasoning
+    r = client.responses.create(model="qwen3-tiny", input="Hi", max_output_tokens=8, temperature=0)
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == chat.reasoning_content and r.output_text == (chat.content or "")
+    events = list(client.responses.create(model="qwen3-tiny", input="Hi", max_output_tokens=8, temperature=0,
+                                          stream=True))
+    final = events[-1].response  # response.incomplete: cut at max_output_tokens
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == chat.reasoning_content == final.output[0].content[0].text

@@ -20,6 +20,7 @@ from mlxserve.api import images
 from mlxserve.api.constraints import constrain, openai_grammar
 from mlxserve.api.errors import APIError
 from mlxserve.api.generate import Choice, ClientGone, Run, collect
+from mlxserve.api.reasoning import ReasoningSplitter
 from mlxserve.api.openai_routes import (
     CLIENT_CLOSED,
     ToolCalls,
@@ -144,23 +145,59 @@ class Output:
     sequence numbers); the non-streamed path drops them and keeps `items`, so
     both paths answer with the same items. Text goes into a `message` item,
     each parsed tool call becomes a `function_call` item; text after a call
-    opens a new message. Reasoning items (the reasoning helper's) belong before
-    the message they precede, with their own `response.reasoning_text.*` events.
+    opens a new message. A reasoning model's reasoning becomes a `reasoning`
+    item before them, streamed with `response.reasoning_text.*` events.
     """
 
-    def __init__(self, stream: ToolCallStream | None):
+    def __init__(self, stream: ToolCallStream | None, splitter: ReasoningSplitter | None = None):
         self.stream = stream
+        self.splitter = splitter
         self.items: list[dict] = []
         self.message: dict | None = None  # the open message item text goes into
+        self.reasoning: dict | None = None  # the open reasoning item
 
-    def feed(self, text: str) -> list[dict]:
-        return self._pieces(self.stream.feed(text) if self.stream else [text])
+    def feed(self, text: str, token_ids=(), finished: bool = False) -> list[dict]:
+        events = []
+        if self.splitter is not None:
+            thought, text = self.splitter.feed(text, token_ids, finished)
+            events += self._reason(thought)
+            if text:
+                events += self._close_reasoning("completed")
+        return events + self._pieces(self.stream.feed(text) if self.stream else [text])
 
     def finish(self, status: str) -> list[dict]:
-        events = self._pieces(self.stream.finish() if self.stream else [])
-        if not self.items:  # no text and no call: still one (empty) message
+        end = "incomplete" if status == "incomplete" else "completed"
+        events = self.feed("", finished=True) if self.splitter is not None else []
+        events += self._close_reasoning(end)
+        events += self._pieces(self.stream.finish() if self.stream else [])
+        if not any(i["type"] != "reasoning" for i in self.items):  # no text, no call: one empty message
             events += self._open_message()
-        return events + self._close_message("incomplete" if status == "incomplete" else "completed")
+        return events + self._close_message(end)
+
+    def _reason(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        events = []
+        if self.reasoning is None:
+            self.reasoning = {"type": "reasoning", "id": item_id("rs"), "summary": [],
+                              "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+            self.items.append(self.reasoning)
+            events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                           "item": copy.deepcopy(self.reasoning)})
+        self.reasoning["content"][0]["text"] += text
+        return events + [{"type": "response.reasoning_text.delta", **self._at(), "content_index": 0,
+                          "delta": text}]
+
+    def _close_reasoning(self, status: str) -> list[dict]:
+        if self.reasoning is None:
+            return []
+        item, self.reasoning = self.reasoning, None
+        item["status"] = status
+        at = {"item_id": item["id"], "output_index": self.items.index(item)}
+        return [{"type": "response.reasoning_text.done", **at, "content_index": 0,
+                 "text": item["content"][0]["text"]},
+                {"type": "response.output_item.done", "output_index": at["output_index"],
+                 "item": copy.deepcopy(item)}]
 
     def _pieces(self, pieces: list) -> list[dict]:
         events = []
@@ -258,7 +295,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     except APIError as e:
         raise renamed(e) from None
     run = Run(state, requests, RENAME)
-    output = Output(ToolCalls(state.tokenizer, tools).stream())
+    splitter = state.reasoning.splitter(prompt) if state.reasoning else None
+    output = Output(ToolCalls(state.tokenizer, tools).stream(), splitter)
 
     def save(response: dict) -> None:
         if body.store is not False:
@@ -271,7 +309,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     status = final_status(choice)
-    output.feed(choice.text)
+    aligned = len(choice.token_ids) == len(choice.texts)  # one token per output (harmony's markers)
+    for k, text in enumerate(choice.texts):
+        output.feed(text, choice.token_ids[k:k + 1] if aligned else ())
     output.finish(status)
     response = head.response(status, output.items, choice)
     save(response)
@@ -294,7 +334,7 @@ async def response_events(run: Run, head: Head, output: Output, save):
         yield send({"type": "response.in_progress", "response": head.response("in_progress", [])})
         async for _, out in run:
             choice.add(out)
-            for e in output.feed(out.new_text):
+            for e in output.feed(out.new_text, out.new_token_ids):
                 yield send(e)
         status = final_status(choice)
         for e in output.finish(status):
