@@ -312,6 +312,7 @@ def test_store_keeps_the_most_recently_used():
     ({"input": "x", "tools": [{"type": "function"}]}, 400, "tools[0].name"),
     ({"input": "x", "tool_choice": {"type": "web_search"}}, 400, "tool_choice"),
     ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
     ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "get_time"}}, 400,
      "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": 3},

@@ -299,6 +299,15 @@ def chat_constraints(body: ResponsesRequest) -> tuple[str | dict | None, dict | 
     return choice, response_format
 
 
+def reasoning_effort(body: ResponsesRequest) -> str | None:
+    """`reasoning.effort`, which gpt-oss's chat template reads (as chat completions' reasoning_effort)."""
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None and effort not in ("low", "medium", "high"):
+        raise bad_request(f"reasoning.effort: must be 'low', 'medium' or 'high', got {effort!r}",
+                          "reasoning.effort")
+    return effort
+
+
 def chat_request(body: ResponsesRequest, messages: list[ChatMessage]) -> ChatCompletionRequest:
     """The chat-completions request this Responses request amounts to."""
     tool_choice, response_format = chat_constraints(body)
@@ -311,7 +320,7 @@ def chat_request(body: ResponsesRequest, messages: list[ChatMessage]) -> ChatCom
             top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             tools=tools, tool_choice=tool_choice, response_format=response_format,
-            parallel_tool_calls=body.parallel_tool_calls,
+            parallel_tool_calls=body.parallel_tool_calls, reasoning_effort=reasoning_effort(body),
         )
     except ValidationError as e:  # ResponsesRequest checked these fields; a 400 all the same
         raise bad_request(f"input: {e.errors()[0].get('msg', 'invalid value')}", "input") from None

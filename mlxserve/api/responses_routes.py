@@ -284,7 +284,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     tools = None
     if chat.tools and chat.tool_choice != "none":  # 'none': the model is not told of tools
         tools = [t.model_dump(exclude_none=True) for t in chat.tools]
-    prompt = render(state.tokenizer, template, tools=tools, param="input")
+    effort = {"reasoning_effort": chat.reasoning_effort} if chat.reasoning_effort else None
+    prompt = render(state.tokenizer, template, tools=tools, chat_template_kwargs=effort, param="input")
     prompt_images = images.prompt_images(state, prompt, prepared, "input")
     head = Head(state, body, item_id("resp"))
     requests = engine_requests(state, chat, [prompt], api_id=head.response_id,

@@ -82,7 +82,7 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    reasoning: dict | None = None  # accepted; reasoning models are split by the reasoning helper
+    reasoning: dict | None = None  # its `effort` goes to the template; reasoning comes back as an item
     truncation: Literal["auto", "disabled"] | None = None
     # Extensions that vLLM's Responses API accepts too.
     top_k: int | None = Field(None, ge=-1)
