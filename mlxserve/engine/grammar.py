@@ -6,20 +6,21 @@ A constrained row carries a `GrammarProcessor` among its logits processors,
 so constrained and free rows share one batch and the prefix cache stays on.
 
 The mask for step t depends on the token sampled at step t-1, so it cannot be
-computed ahead, but it can overlap the forward pass: the step dispatches its
-forward pass first, then reads the previous tokens (waiting for the last
-step's sampling only, not for the forward pass behind it), and fills the
-masks on the host while the accelerator runs the model. In a batch, every
-constrained row's mask is filled in one parallel llguidance call and applied
-to the batch's logits at once (`ConstrainedGenerationBatch`); mlx-lm's
-per-row processor loop would read each row's token through a kernel queued
-behind the forward pass, and so wait for it.
+computed ahead; it can be computed beside the step's other work. In a batch
+(`ConstrainedGenerationBatch`) the step reads the last sampled tokens, hands
+every constrained row's mask to a helper thread (llguidance consumes and fills
+in parallel, with the GIL released; no MLX there), builds and dispatches the
+forward pass meanwhile, then applies all masks to the batch's logits at once.
+For a small model a step is bound by such host work, so the overlap is what
+keeps constrained rows near free ones. The lone path fills its one mask while
+the forward pass runs.
 """
 
 from __future__ import annotations
 
 import importlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
@@ -42,6 +43,7 @@ mask_stats = MaskStats()
 # The module, not the function of the same name that mlx_lm's package exports over it.
 _generate = importlib.import_module("mlx_lm.generate")
 _executor: LLExecutor | None = None
+_pool: ThreadPoolExecutor | None = None
 
 
 def allowed_tokens(bitmask: np.ndarray, vocab_size: int) -> mx.array:
@@ -96,27 +98,32 @@ def grammar_of(processors) -> GrammarProcessor | None:
     return processors[-1] if processors and isinstance(processors[-1], GrammarProcessor) else None
 
 
-def batch_masks(grammars: list[GrammarProcessor | None], previous: list[int], vocab_size: int) -> mx.array:
-    """(B, vocab) booleans: each constrained row's allowed tokens, all tokens for free rows."""
+def fill_masks(grammars: list[GrammarProcessor | None], previous: list[int], vocab_size: int) -> np.ndarray:
+    """(B, words) bitmask: each constrained row's allowed tokens, all tokens for free rows.
+
+    Host only (numpy and llguidance, no MLX), so it runs on a helper thread;
+    llguidance consumes and fills in parallel with the GIL released.
+    """
     global _executor
     start = time.perf_counter()
+    if _executor is None:
+        _executor = LLExecutor()
     bitmask = allocate_token_bitmask(len(grammars), vocab_size)  # all ones: free rows
-    rows = []
+    rows, consumed = [], []
     for e, g in enumerate(grammars):
         if g is not None:
-            g.advance(previous[e])
             rows.append((g.matcher, e))
-    if len(rows) == 1:
-        fill_next_token_bitmask(rows[0][0], bitmask, rows[0][1])
-    else:
-        if _executor is None:
-            _executor = LLExecutor()
-        fill_next_token_bitmask_par(_executor, rows, bitmask)
+            if g.calls:
+                consumed.append((g.matcher, previous[e]))
+            g.calls += 1
+    if consumed:
+        _executor.consume_token_par(consumed)
+    fill_next_token_bitmask_par(_executor, rows, bitmask)
     for _, e in rows:
         grammars[e].check(bitmask[e])
     mask_stats.seconds += time.perf_counter() - start
     mask_stats.masks += len(rows)
-    return allowed_tokens(bitmask, vocab_size)
+    return bitmask
 
 
 class ConstrainedGenerationBatch(_generate.GenerationBatch):
@@ -132,10 +139,13 @@ class ConstrainedGenerationBatch(_generate.GenerationBatch):
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
         inputs = self._current_tokens
+        previous = inputs.tolist()  # the last step's sampled tokens
+        # The masks are filled on a helper thread while this one builds and dispatches the
+        # forward pass: both are host work, and a small model's step is bound by it.
+        masks = _mask_thread().submit(fill_masks, grammars, previous, grammars_vocab(grammars))
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-        mx.async_eval(logits)  # the forward pass first: the masks are filled while it runs
-        previous = inputs.tolist()  # the last step's sampled tokens, already queued
-        allowed = batch_masks(grammars, previous, logits.shape[-1])
+        mx.async_eval(logits)
+        allowed = allowed_tokens(masks.result(), logits.shape[-1])
 
         token_context = []
         if any(len(p) > (g is not None) for p, g in zip(self.logits_processors, grammars)):
@@ -167,6 +177,17 @@ class ConstrainedGenerationBatch(_generate.GenerationBatch):
         for tokens, token in zip(self.tokens, previous):
             tokens.append(token)
         return previous, self._current_logprobs
+
+
+def grammars_vocab(grammars) -> int:
+    return next(g.vocab_size for g in grammars if g is not None)
+
+
+def _mask_thread() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(1, thread_name_prefix="mlxserve-masks")
+    return _pool
 
 
 def install() -> None:
