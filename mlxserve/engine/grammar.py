@@ -7,10 +7,11 @@ so constrained and free rows share one batch and the prefix cache stays on.
 
 The mask for step t depends on the token sampled at step t-1, so it cannot be
 computed ahead; it can be computed beside the step's other work. In a batch
-(`ConstrainedGenerationBatch`) the step reads the last sampled tokens, hands
-every constrained row's mask to a helper thread (llguidance consumes and fills
-in parallel, with the GIL released; no MLX there), builds and dispatches the
-forward pass meanwhile, then applies all masks to the batch's logits at once.
+(`ConstrainedGenerationBatch`) the step builds the forward pass's graph, reads
+the last sampled tokens, hands every constrained row's mask to a helper thread
+(llguidance consumes and fills in parallel, with the GIL released; no MLX
+there), dispatches the forward pass meanwhile, then applies all masks to the
+batch's logits at once.
 For a small model a step is bound by such host work, so the overlap is what
 keeps constrained rows near free ones. The lone path fills its one mask while
 the forward pass runs.
@@ -139,11 +140,13 @@ class ConstrainedGenerationBatch(_generate.GenerationBatch):
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
         inputs = self._current_tokens
-        previous = inputs.tolist()  # the last step's sampled tokens
-        # The masks are filled on a helper thread while this one builds and dispatches the
-        # forward pass: both are host work, and a small model's step is bound by it.
-        masks = _mask_thread().submit(fill_masks, grammars, previous, grammars_vocab(grammars))
+        # The forward pass's graph is built while the accelerator still runs the last step;
+        # then, with the last step's tokens read, the masks are filled on a helper thread
+        # while this one dispatches the forward pass (both are host work, and a small model's
+        # step is bound by it).
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        previous = inputs.tolist()
+        masks = _mask_thread().submit(fill_masks, grammars, previous, grammars_vocab(grammars))
         mx.async_eval(logits)
         allowed = allowed_tokens(masks.result(), logits.shape[-1])
 
