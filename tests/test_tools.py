@@ -124,6 +124,13 @@ def test_split_text(syntax, text, content, calls, markup):
     assert split_text(syntax if markup else None, text, TOOLS) == (content, calls)
 
 
+def test_forced_calls_drop_what_is_not_a_call(syntax):
+    """Under a forced call the grammar allows calls only: the rest is a cut-off call or whitespace."""
+    cut = ONE_CALL.removeprefix("Let me check.") + "\n" + UNFINISHED.removeprefix("Hmm ")
+    assert split_text(syntax, cut, TOOLS, forced=True) == ("", [ToolCall("get_weather", {"city": "Paris"})])
+    assert split_text(syntax, cut, TOOLS)[0].endswith(UNFINISHED.removeprefix("Hmm "))
+
+
 @pytest.mark.parametrize("text", [ONE_CALL, TWO_CALLS, MALFORMED, UNFINISHED, BARE, BARE_UNKNOWN, FENCED,
                                   BAD_ARGS, CODE, PLAIN])
 def test_stream_token_by_token_matches_whole(syntax, tokenizer, text):

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mlxserve.api.anthropic_schema import CountTokensRequest, MessagesRequest, Conversation
 from mlxserve.api import images
-from mlxserve.api.constraints import anthropic_grammar, constrain
+from mlxserve.api.constraints import anthropic_grammar, constrain, forces_calls
 from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
 from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect
 from mlxserve.api import thinking
@@ -152,13 +152,13 @@ def with_calls(reason: tuple[str, str | None], calls: bool) -> tuple[str, str | 
     return ("tool_use", None) if calls and reason[0] == "end_turn" else reason
 
 
-def response_content(choice: Choice, syntax, tools, splitter: ReasoningSplitter | None = None
-                     ) -> tuple[list[dict], bool]:
+def response_content(choice: Choice, syntax, tools, splitter: ReasoningSplitter | None = None,
+                     forced: bool = False) -> tuple[list[dict], bool]:
     """The answer's content blocks (thinking, text, then tool_use), and whether it called tools."""
     reasoning, content = splitter.split(choice.texts, choice.token_ids) if splitter else ("", choice.text)
     head = [{"type": "thinking", "thinking": reasoning, "signature": thinking.signature(reasoning)}] \
         if reasoning else []
-    text, calls = split_text(syntax, content, tools) if tools else (content, [])
+    text, calls = split_text(syntax, content, tools, forced) if tools else (content, [])
     if not calls:
         return [*head, {"type": "text", "text": text}], False
     return [*head, *([{"type": "text", "text": text}] if text else []),
@@ -211,13 +211,13 @@ async def messages(body: MessagesRequest, request: Request):
     syntax = tool_syntax(state.tokenizer) if tools else None
     splitter = state.reasoning.splitter(prompt) if state.reasoning else None
     if body.stream:
-        stream = ToolCallStream(syntax, tools) if tools else None
+        stream = ToolCallStream(syntax, tools, forces_calls(grammar)) if tools else None
         return SSEResponse(message_events(run, head, len(prompt), stream, splitter), run)
     try:
         (choice,) = await collect(run, request)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-    content, called = response_content(choice, syntax, tools, splitter)
+    content, called = response_content(choice, syntax, tools, splitter, forces_calls(grammar))
     reason, sequence = with_calls(stop_reason(choice), called)
     return JSONResponse({
         **head,
@@ -318,7 +318,8 @@ async def message_events(run: Run, head: dict, prompt_tokens: int, stream: ToolC
         yield event({"type": "message_start", "message": {
             **head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage,
         }}, "message_start")
-        if splitter is None:  # a reasoning model's first block may be a thinking block
+        # A reasoning model's first block may be a thinking block; a forced call's is its tool_use.
+        if splitter is None and not (stream is not None and stream.forced):
             for e in blocks.open_text():
                 yield e
         yield event({"type": "ping"}, "ping")

@@ -140,7 +140,9 @@ def tool_call_grammar(grammars: Grammars, syntax: ToolSyntax | None, tools: list
 
     start = "call"
     if several:  # bare JSON calls go in one array, which is what the server reads back
-        start = '"[" call (", " call)* "]"' if syntax is None else 'call ("\\n" call)*'
+        # A newline may close the calls: models write one after a call, and a grammar
+        # that read it as the start of another call would force calls until max_tokens.
+        start = '"[" call (", " call)* "]"' if syntax is None else 'call ("\\n" call)* "\\n"?'
     return LLMatcher.grammar_from_lark("\n".join([f"start: {start}", f"call: {call}", *rules]) + "\n")
 
 
@@ -254,6 +256,11 @@ def forced_tool_grammar(state, choice, tools: list[dict] | None, *, several: boo
             raise bad_request(f"tool_choice: no tool named {name!r} among the request's tools", "tool_choice")
         several = False
     return tool_call_grammar(state.grammars, state.tool_syntax, tools, several=several)
+
+
+def forces_calls(grammar: tuple[str, str] | None) -> bool:
+    """Whether the request's grammar is a forced tool call (its output is calls only)."""
+    return grammar is not None and grammar[1] == "tool_choice"
 
 
 async def constrain(state, requests: list, grammar: tuple[str, str] | None) -> None:

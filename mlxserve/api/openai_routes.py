@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from mlxserve.api import images
-from mlxserve.api.constraints import constrain, openai_grammar
+from mlxserve.api.constraints import constrain, forces_calls, openai_grammar
 from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
 from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect, usage, visible_logprobs
 from mlxserve.api.openai_schema import (
@@ -227,7 +227,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     n = body.n or 1
     head = {"id": api_id, "created": int(time.time()), "model": state.model_name,
             "system_fingerprint": state.loaded.fingerprint[:16]}
-    calls = ToolCalls(state.tokenizer, tools, state.reasoning, prompt)
+    calls = ToolCalls(state.tokenizer, tools, state.reasoning, prompt, forced=forces_calls(grammar))
     if body.stream:
         return SSEResponse(chat_events(state, run, head, n, bool(body.logprobs), include_usage, calls),
                            run)
@@ -260,8 +260,10 @@ class ToolCalls:
     calls are read from the answer only.
     """
 
-    def __init__(self, tokenizer, tools, reasoning: ReasoningSyntax | None = None, prompt=()):
+    def __init__(self, tokenizer, tools, reasoning: ReasoningSyntax | None = None, prompt=(),
+                 forced: bool = False):
         self.tools = tools
+        self.forced = forced  # a grammar of calls: text beside them is a cut-off call's end
         self.syntax = tool_syntax(tokenizer) if tools else None
         self.reasoning = reasoning
         self.prompt = prompt
@@ -274,7 +276,7 @@ class ToolCalls:
         reasoning, content = None, choice.text
         if self.reasoning:
             reasoning, content = self.splitter().split(choice.texts, choice.token_ids)
-        text, calls = split_text(self.syntax, content, self.tools) if self.tools else (content, [])
+        text, calls = split_text(self.syntax, content, self.tools, self.forced) if self.tools else (content, [])
         message = {"role": "assistant", "content": text, "refusal": None}
         if self.reasoning:  # vLLM's and DeepSeek's name, and vLLM's newer one
             message["reasoning_content"] = message["reasoning"] = reasoning or None
@@ -285,7 +287,7 @@ class ToolCalls:
         return {"message": message, "finish_reason": finish_with_calls(choice.finish_reason)}
 
     def stream(self) -> ToolCallStream | None:
-        return ToolCallStream(self.syntax, self.tools) if self.tools else None
+        return ToolCallStream(self.syntax, self.tools, self.forced) if self.tools else None
 
 
 def finish_with_calls(finish_reason: str | None) -> str | None:

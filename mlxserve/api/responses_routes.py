@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from mlxserve.api import images
-from mlxserve.api.constraints import constrain, openai_grammar
+from mlxserve.api.constraints import constrain, forces_calls, openai_grammar
 from mlxserve.api.errors import APIError
 from mlxserve.api.generate import Choice, ClientGone, Run, collect
 from mlxserve.api.reasoning import ReasoningSplitter
@@ -292,12 +292,13 @@ async def create_response(body: ResponsesRequest, request: Request):
                                max_tokens=body.max_output_tokens, logprobs=False, top_logprobs=0,
                                rename=RENAME, arrival=arrival, images=prompt_images)
     try:
-        await constrain(state, requests, openai_grammar(state, chat, tools))
+        grammar = openai_grammar(state, chat, tools)
+        await constrain(state, requests, grammar)
     except APIError as e:
         raise renamed(e) from None
     run = Run(state, requests, RENAME)
     splitter = state.reasoning.splitter(prompt) if state.reasoning else None
-    output = Output(ToolCalls(state.tokenizer, tools).stream(), splitter)
+    output = Output(ToolCalls(state.tokenizer, tools, forced=forces_calls(grammar)).stream(), splitter)
 
     def save(response: dict) -> None:
         if body.store is not False:

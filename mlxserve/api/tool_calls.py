@@ -95,9 +95,12 @@ class ToolCallStream:
     then stream only at their end.
     """
 
-    def __init__(self, syntax: ToolSyntax | None, tools):
+    def __init__(self, syntax: ToolSyntax | None, tools, forced: bool = False):
         self.syntax = syntax
         self.tools = tools
+        # A forced call (a grammar of calls only): what is not a call is the unfinished end of
+        # one cut by max_tokens, or the whitespace between calls; neither is an answer.
+        self.forced = forced
         self.buffer = ""
         self.in_call = False
         self.saw_call = False
@@ -114,17 +117,24 @@ class ToolCallStream:
         out: list[str | ToolCall] = []
         while self._step(out):
             pass
-        return out
+        return self._calls_only(out) if self.forced else out
+
+    def _calls_only(self, pieces: list) -> list[ToolCall]:
+        return [p for p in pieces if isinstance(p, ToolCall)]
 
     def finish(self) -> list[str | ToolCall]:
-        """What is left when generation ends: an unfinished call is plain text."""
+        """What is left when generation ends: an unfinished call is plain text (none if forced)."""
+        rest = self._finish()
+        return self._calls_only(rest) if self.forced else rest
+
+    def _finish(self) -> list[str | ToolCall]:
         if self.bare is not False:
             self.bare = False
             calls = bare_calls(self.buffer, self.tools)
             if calls:
                 self.buffer, self.saw_call = "", True
                 return calls
-            return self.feed("") + self.finish()
+            return self.feed("") + self._finish()
         rest = self.gap + self.syntax.start + self.buffer if self.in_call else self.buffer
         self.buffer, self.in_call, self.gap = "", False, ""
         if self.saw_call and not rest.strip():
@@ -218,9 +228,9 @@ def _held_back(text: str, marker: str) -> int:
     return partial + len(body) - len(body.rstrip())
 
 
-def split_text(syntax: ToolSyntax | None, text: str, tools) -> tuple[str, list[ToolCall]]:
+def split_text(syntax: ToolSyntax | None, text: str, tools, forced: bool = False) -> tuple[str, list[ToolCall]]:
     """A whole answer as (text outside the calls, calls); the text as is if no call parsed."""
-    stream = ToolCallStream(syntax, tools)
+    stream = ToolCallStream(syntax, tools, forced)
     pieces = stream.feed(text) + stream.finish()
     calls = [p for p in pieces if isinstance(p, ToolCall)]
     if not calls:
