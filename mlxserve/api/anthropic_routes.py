@@ -197,7 +197,7 @@ async def messages(body: MessagesRequest, request: Request):
     tools = template_tools(body)
     engine_request = EngineRequest(prompt, params, request_id=msg_id, arrival_time=arrival,
                                    images=prompt_images)
-    grammar = anthropic_grammar(state, body, tools)
+    grammar = await anthropic_grammar(state, body, tools)
     budget = thinking.budget(body.thinking)
     if grammar is not None and budget is not None:
         # Anthropic refuses this pair too: a forced call or format leaves no room to think first.

@@ -202,7 +202,7 @@ def _marker(grammars: Grammars, text: str) -> str:
 
 # ---- request fields -> one grammar ----
 
-def openai_grammar(state, body, tools: list[dict] | None = None) -> tuple[str, str] | None:
+async def openai_grammar(state, body, tools: list[dict] | None = None) -> tuple[str, str] | None:
     """(grammar, the field that asked for it) of a chat or completions request, or None.
 
     `tools` are the tools the template was given (None with tool_choice 'none').
@@ -233,7 +233,7 @@ def openai_grammar(state, body, tools: list[dict] | None = None) -> tuple[str, s
             found.append((name, make(value, name)))
     choice = getattr(body, "tool_choice", None)
     if choice == "required" or isinstance(choice, dict):
-        found.append(("tool_choice", forced_tool_grammar(state, choice, tools,
+        found.append(("tool_choice", await forced_tool_grammar(state, choice, tools,
                                                          several=getattr(body, "parallel_tool_calls", None)
                                                          is not False)))
     if len(found) > 1:
@@ -242,7 +242,7 @@ def openai_grammar(state, body, tools: list[dict] | None = None) -> tuple[str, s
     return (found[0][1], found[0][0]) if found else None
 
 
-def forced_tool_grammar(state, choice, tools: list[dict] | None, *, several: bool) -> str:
+async def forced_tool_grammar(state, choice, tools: list[dict] | None, *, several: bool) -> str:
     """OpenAI's tool_choice 'required' or {type: function, function: {name}} as a grammar."""
     if not tools:
         raise bad_request("tool_choice: forcing a tool call needs tools", "tool_choice")
@@ -255,6 +255,7 @@ def forced_tool_grammar(state, choice, tools: list[dict] | None, *, several: boo
         if not tools:
             raise bad_request(f"tool_choice: no tool named {name!r} among the request's tools", "tool_choice")
         several = False
+    await asyncio.to_thread(state.grammars.llg_tokenizer)  # built once (~1-2 s), off the event loop
     return tool_call_grammar(state.grammars, state.tool_syntax, tools, several=several)
 
 
@@ -274,7 +275,7 @@ async def constrain(state, requests: list, grammar: tuple[str, str] | None) -> N
         request.params = replace(request.params, grammar=matcher)
 
 
-def anthropic_grammar(state, body, tools: list[dict] | None) -> tuple[str, str] | None:
+async def anthropic_grammar(state, body, tools: list[dict] | None) -> tuple[str, str] | None:
     """Anthropic's tool_choice {type: any | tool} or output_config.format as a grammar, or None."""
     choice = body.tool_choice or {}
     fmt = (body.output_config or {}).get("format")
@@ -288,8 +289,8 @@ def anthropic_grammar(state, body, tools: list[dict] | None) -> tuple[str, str] 
             if not isinstance(choice.get("name"), str):
                 raise bad_request("tool_choice.name: required for type 'tool'", "tool_choice.name")
             named = {"type": "function", "function": {"name": choice["name"]}}
-            return forced_tool_grammar(state, named, tools, several=False), "tool_choice"
-        return forced_tool_grammar(state, "required", tools, several=several), "tool_choice"
+            return await forced_tool_grammar(state, named, tools, several=False), "tool_choice"
+        return await forced_tool_grammar(state, "required", tools, several=several), "tool_choice"
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
             raise bad_request("output_config.format: must be {\"type\": \"json_schema\", \"schema\": {...}}",

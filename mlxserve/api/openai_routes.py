@@ -212,7 +212,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.reasoning_effort is not None:  # gpt-oss's templates read it
         template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     prompt = render(state.tokenizer, messages, tools=tools, chat_template_kwargs=template_kwargs)
-    grammar = openai_grammar(state, body, tools)
+    grammar = await openai_grammar(state, body, tools)
     prompt_images = images.prompt_images(state, prompt, prepared, "messages")
     use_mct = body.max_completion_tokens is not None
     rename = {"prompt": "messages", "max_tokens": "max_completion_tokens" if use_mct else "max_tokens"}
@@ -472,7 +472,7 @@ async def completions(body: CompletionRequest, request: Request):
         state, body, [ids for ids, _ in prompts], api_id=api_id, max_tokens=body.max_tokens,
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, rename=rename,
         arrival=arrival, prompt_logprobs=prompt_logprobs)
-    await constrain(state, requests, openai_grammar(state, body))
+    await constrain(state, requests, await openai_grammar(state, body))
     run = Run(state, requests, rename)
     # Text before each choice's completion: the prompt with echo, else nothing.
     echoes = [prompts[i // n][1] if body.echo else "" for i in range(len(requests))]

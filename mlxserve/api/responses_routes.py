@@ -292,7 +292,7 @@ async def create_response(body: ResponsesRequest, request: Request):
                                max_tokens=body.max_output_tokens, logprobs=False, top_logprobs=0,
                                rename=RENAME, arrival=arrival, images=prompt_images)
     try:
-        grammar = openai_grammar(state, chat, tools)
+        grammar = await openai_grammar(state, chat, tools)
         await constrain(state, requests, grammar)
     except APIError as e:
         raise renamed(e) from None
