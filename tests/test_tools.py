@@ -243,6 +243,14 @@ def test_anthropic_stream_tool_use(tokenizer, syntax):
     assert data[-1]["type"] == "message_stop" and run.closed
 
 
+def test_anthropic_stream_call_without_text_has_no_empty_block(tokenizer, syntax):
+    run = Replay(outputs(tokenizer, BARE))
+    head = {"id": "msg_x", "type": "message", "role": "assistant", "model": MODEL}
+    data = sse_payloads(collect_events(message_events(run, head, 10, ToolCallStream(syntax, TOOLS))))
+    starts = [d["content_block"]["type"] for d in data if d["type"] == "content_block_start"]
+    assert starts == ["tool_use"]
+
+
 # ---- live server: tool conversations render and complete ----
 
 def test_openai_client_tool_conversation(server):

@@ -231,9 +231,9 @@ async def messages(body: MessagesRequest, request: Request):
 class BlockEvents:
     """The content block events of a streamed answer: text blocks, and tool_use blocks between them.
 
-    A text block is open from the start (clients expect one before the first
-    token); a tool call closes it, is sent whole as its own block, and text
-    after it opens a new text block.
+    A text block opens with the first text (from the start when no tools and
+    no reasoning are in play); a tool call closes it, is sent whole as its own
+    block, and text after it opens a new text block.
     """
 
     def __init__(self, stream: ToolCallStream | None):
@@ -318,8 +318,10 @@ async def message_events(run: Run, head: dict, prompt_tokens: int, stream: ToolC
         yield event({"type": "message_start", "message": {
             **head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage,
         }}, "message_start")
-        # A reasoning model's first block may be a thinking block; a forced call's is its tool_use.
-        if splitter is None and not (stream is not None and stream.forced):
+        # Opened before the first token, as Anthropic does, unless the first block may be a
+        # thinking block (a reasoning model) or a tool_use block (tools offered): an empty
+        # text block before a call is one the real API refuses when a client sends it back.
+        if splitter is None and stream is None:
             for e in blocks.open_text():
                 yield e
         yield event({"type": "ping"}, "ping")
