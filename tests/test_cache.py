@@ -29,8 +29,8 @@ from mlxserve.cache.layers import (  # noqa: E402
     extract_blocks,
     extract_blocks_from_batch,
     payload_nbytes,
-    restore_cache,
 )
+from mlxserve.cache.restore import restore_cache  # noqa: E402
 from mlxserve.cache.sizes import memory_limit  # noqa: E402
 
 MB = 1 << 20

@@ -9,7 +9,8 @@
 """
 
 from mlxserve.cache.blocks import hash_blocks
-from mlxserve.cache.layers import extract_blocks, extract_blocks_from_batch, payload_nbytes, restore_cache
+from mlxserve.cache.layers import extract_blocks, extract_blocks_from_batch, payload_nbytes
+from mlxserve.cache.restore import restore_cache
 from mlxserve.cache.pool import Block, BlockPool
 from mlxserve.cache.prefix import PrefixCache, PrefixMatch
 from mlxserve.cache.sizes import parse_size

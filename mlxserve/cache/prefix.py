@@ -41,10 +41,10 @@ from mlxserve.cache.layers import (
     needed_blocks,
     oldest_window_token,
     payload_arrays,
-    restore_cache,
     spec_kinds,
     unsupported_layers,
 )
+from mlxserve.cache.restore import restore_cache
 from mlxserve.cache.pool import BlockPool
 
 log = logging.getLogger(__name__)
