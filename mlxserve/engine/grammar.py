@@ -67,6 +67,7 @@ class GrammarProcessor:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.calls = 0
+        self.bitmask = allocate_token_bitmask(1, vocab_size)  # the lone path's, refilled each call
 
     def advance(self, previous: int) -> None:
         """Consume the token sampled under the last mask (nothing before the first mask)."""
@@ -86,12 +87,11 @@ class GrammarProcessor:
         mx.async_eval(logits)
         self.advance(int(fed.item()) if self.calls else 0)  # fed is already queued: no new kernel
         start = time.perf_counter()
-        bitmask = allocate_token_bitmask(1, self.vocab_size)
-        fill_next_token_bitmask(self.matcher, bitmask)
-        self.check(bitmask[0])
+        fill_next_token_bitmask(self.matcher, self.bitmask)  # mx.array copies it below
+        self.check(self.bitmask[0])
         mask_stats.seconds += time.perf_counter() - start
         mask_stats.masks += 1
-        return mx.where(allowed_tokens(bitmask, logits.shape[-1]), logits, -mx.inf)
+        return mx.where(allowed_tokens(self.bitmask, logits.shape[-1]), logits, -mx.inf)
 
 
 def grammar_of(processors) -> GrammarProcessor | None:
@@ -146,7 +146,7 @@ class ConstrainedGenerationBatch(_generate.GenerationBatch):
         # step is bound by it).
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         previous = inputs.tolist()
-        masks = _mask_thread().submit(fill_masks, grammars, previous, grammars_vocab(grammars))
+        masks = _mask_thread().submit(fill_masks, grammars, previous, logits.shape[-1])
         mx.async_eval(logits)
         allowed = allowed_tokens(masks.result(), logits.shape[-1])
 
@@ -180,10 +180,6 @@ class ConstrainedGenerationBatch(_generate.GenerationBatch):
         for tokens, token in zip(self.tokens, previous):
             tokens.append(token)
         return previous, self._current_logprobs
-
-
-def grammars_vocab(grammars) -> int:
-    return next(g.vocab_size for g in grammars if g is not None)
 
 
 def _mask_thread() -> ThreadPoolExecutor:

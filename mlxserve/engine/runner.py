@@ -102,13 +102,16 @@ class SoloDecoder:
         n = seq.cached_tokens if prefilled is None else prefilled  # prompt tokens already in `cache`
         self.in_cache: list[int] = prompt[:n]
         self.todo = prompt[n:]  # not yet in the cache
-        # Tokens in the cache as an array, for penalties (logits processors).
-        self.context = mx.array(self.in_cache) if seq.processors and self.in_cache else None
+        # The grammar (last, if any) reads only the fed token; the others (penalties, biases)
+        # read the tokens in the cache, kept as an array for them alone.
+        self.grammar = grammar_of(seq.processors)
+        self.penalties = seq.processors[:-1] if self.grammar else seq.processors
+        self.context = mx.array(self.in_cache) if self.penalties and self.in_cache else None
         self.pending = None  # (token, logprobs) sampled but not yet emitted
         self.unfed: int | None = None  # the first token: emitted, not yet in the cache
 
     def _extend_context(self, tokens: mx.array) -> None:
-        if self.seq.processors:
+        if self.penalties:
             self.context = tokens if self.context is None else mx.concat([self.context, tokens])
 
     def _inputs(self, n: int) -> dict:
@@ -120,13 +123,12 @@ class SoloDecoder:
 
     def _forward(self, tokens: mx.array, inputs: dict | None = None):
         logits = self.model(tokens[None], cache=self.cache, **(inputs or {}))[:, -1, :]
-        grammar = grammar_of(self.seq.processors)
-        if self.seq.processors:
+        if self.penalties:
             self._extend_context(tokens)
-            for processor in self.seq.processors[:-1] if grammar else self.seq.processors:
+            for processor in self.penalties:
                 logits = processor(self.context, logits)
-        if grammar is not None:
-            logits = grammar(tokens, logits)  # the fed token itself: reading it queues no kernel
+        if self.grammar is not None:
+            logits = self.grammar(tokens, logits)  # the fed token itself: reading it queues no kernel
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampler = self.seq.sampler
         token = sampler(logprobs) if sampler else mx.argmax(logprobs, axis=-1)
