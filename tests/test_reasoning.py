@@ -218,7 +218,7 @@ def choice_of(outs):
 
 def test_openai_message_reasoning_and_calls(qwen3):
     """Calls are read from the answer only: markup inside the reasoning is no call."""
-    calls = ToolCalls(qwen3, TOOLS, detect(qwen3), render_chat(qwen3, [{"role": "user", "content": "?"}]))
+    calls = ToolCalls(tool_syntax(qwen3), TOOLS, detect(qwen3), render_chat(qwen3, [{"role": "user", "content": "?"}]))
     assert tool_syntax(qwen3) is not None
     out = calls.message(choice_of(outputs(qwen3, WITH_CALL)))
     message = out["message"]
@@ -227,7 +227,7 @@ def test_openai_message_reasoning_and_calls(qwen3):
     assert message["content"] is None and out["finish_reason"] == "tool_calls"
     (call,) = message["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-    plain = ToolCalls(qwen3, None, detect(qwen3)).message(choice_of(outputs(qwen3, "Hi there")))
+    plain = ToolCalls(tool_syntax(qwen3), None, detect(qwen3)).message(choice_of(outputs(qwen3, "Hi there")))
     assert plain["message"]["content"] == "Hi there" and plain["message"]["reasoning_content"] is None
 
 
@@ -252,7 +252,7 @@ def drain(agen):
 
 
 def test_openai_stream_reasoning_deltas(qwen3):
-    calls = ToolCalls(qwen3, TOOLS, detect(qwen3), ())
+    calls = ToolCalls(tool_syntax(qwen3), TOOLS, detect(qwen3), ())
     head = {"id": "chatcmpl-x", "created": 0, "model": "m", "system_fingerprint": "f"}
     data = drain(chat_events(None, Replay(outputs(qwen3, WITH_CALL)), head, 1, False, False, calls))
     deltas = [d["choices"][0]["delta"] for d in data]

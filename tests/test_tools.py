@@ -151,7 +151,7 @@ def test_stream_token_by_token_matches_whole(syntax, tokenizer, text):
 # ---- OpenAI ----
 
 def test_openai_message_with_calls(tokenizer):
-    r = ToolCalls(tokenizer, TOOLS).message(choice_of(tokenizer, TWO_CALLS))
+    r = ToolCalls(tool_syntax(tokenizer), TOOLS).message(choice_of(tokenizer, TWO_CALLS))
     assert r["finish_reason"] == "tool_calls"
     msg = r["message"]
     assert msg["content"] is None
@@ -168,7 +168,7 @@ def test_openai_message_with_calls(tokenizer):
     (TOOLS, ONE_CALL, "length"),      # cut off after the call: still says length
 ])
 def test_openai_message_without_tool_calls_or_cut(tokenizer, tools, text, finish):
-    r = ToolCalls(tokenizer, tools).message(choice_of(tokenizer, text, finish))
+    r = ToolCalls(tool_syntax(tokenizer), tools).message(choice_of(tokenizer, text, finish))
     if finish == "length":
         assert r["finish_reason"] == "length" and r["message"]["content"] == "Let me check."
         assert len(r["message"]["tool_calls"]) == 1
@@ -181,7 +181,7 @@ def openai_stream(tokenizer, text, tools=TOOLS):
     run = Replay(outputs(tokenizer, text))
     head = {"id": "chatcmpl-x", "created": 0, "model": MODEL, "system_fingerprint": "f"}
     data = sse_payloads(collect_events(chat_events(None, run, head, 1, False, False,
-                                                   ToolCalls(tokenizer, tools))))
+                                                   ToolCalls(tool_syntax(tokenizer), tools))))
     assert data[-1] == "[DONE]" and run.closed
     return [d["choices"][0] for d in data[:-1]]
 

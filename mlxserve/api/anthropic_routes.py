@@ -19,7 +19,7 @@ from mlxserve.api.openai_routes import CLIENT_CLOSED, state_of
 from mlxserve.api.reasoning import ReasoningSplitter
 from mlxserve.api.sse import SSEResponse, dumps, event
 from mlxserve.api.tokens import render
-from mlxserve.api.tool_calls import ToolCall, ToolCallStream, anthropic_tool_use, split_text, tool_syntax
+from mlxserve.api.tool_calls import ToolCall, ToolCallStream, anthropic_tool_use, split_text
 from mlxserve.engine.request import Request as EngineRequest
 from mlxserve.engine.request import SamplingParams
 
@@ -208,7 +208,7 @@ async def messages(body: MessagesRequest, request: Request):
     else:
         run = Run(state, [engine_request], rename)
     head = {"id": msg_id, "type": "message", "role": "assistant", "model": state.model_name}
-    syntax = tool_syntax(state.tokenizer) if tools else None
+    syntax = state.tool_syntax if tools else None
     splitter = state.reasoning.splitter(prompt) if state.reasoning else None
     if body.stream:
         stream = ToolCallStream(syntax, tools, forces_calls(grammar)) if tools else None

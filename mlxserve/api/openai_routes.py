@@ -24,7 +24,7 @@ from mlxserve.api.openai_schema import (
 from mlxserve.api.reasoning import ReasoningSplitter, ReasoningSyntax
 from mlxserve.api.sse import DONE, SSEResponse, event
 from mlxserve.api.tokens import clamp, render
-from mlxserve.api.tool_calls import ToolCall, ToolCallStream, openai_tool_call, split_text, tool_syntax
+from mlxserve.api.tool_calls import ToolCall, ToolCallStream, ToolSyntax, openai_tool_call, split_text
 from mlxserve.engine.request import Request as EngineRequest
 from mlxserve.engine.request import SamplingParams
 
@@ -227,7 +227,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     n = body.n or 1
     head = {"id": api_id, "created": int(time.time()), "model": state.model_name,
             "system_fingerprint": state.loaded.fingerprint[:16]}
-    calls = ToolCalls(state.tokenizer, tools, state.reasoning, prompt, forced=forces_calls(grammar))
+    calls = ToolCalls(state.tool_syntax, tools, state.reasoning, prompt, forced=forces_calls(grammar))
     if body.stream:
         return SSEResponse(chat_events(state, run, head, n, bool(body.logprobs), include_usage, calls),
                            run)
@@ -260,11 +260,11 @@ class ToolCalls:
     calls are read from the answer only.
     """
 
-    def __init__(self, tokenizer, tools, reasoning: ReasoningSyntax | None = None, prompt=(),
+    def __init__(self, syntax: ToolSyntax | None, tools, reasoning: ReasoningSyntax | None = None, prompt=(),
                  forced: bool = False):
         self.tools = tools
         self.forced = forced  # a grammar of calls: text beside them is a cut-off call's end
-        self.syntax = tool_syntax(tokenizer) if tools else None
+        self.syntax = syntax if tools else None  # the server's (ServerState.tool_syntax)
         self.reasoning = reasoning
         self.prompt = prompt
 

@@ -298,7 +298,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         raise renamed(e) from None
     run = Run(state, requests, RENAME)
     splitter = state.reasoning.splitter(prompt) if state.reasoning else None
-    output = Output(ToolCalls(state.tokenizer, tools, forced=forces_calls(grammar)).stream(), splitter)
+    output = Output(ToolCalls(state.tool_syntax, tools, forced=forces_calls(grammar)).stream(), splitter)
 
     def save(response: dict) -> None:
         if body.store is not False:
