@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 
+from mlxserve.cache import chunked
 from mlxserve.cache.quantized import make_cache, set_dequantize
 from mlxserve.engine import grammar as constrained
 from mlxserve.engine.grammar import grammar_of
@@ -25,9 +26,12 @@ from mlxserve.engine.media import MediaPrefill
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import top_logprobs
 from mlxserve.engine.scoring import PromptScorer
+from mlxserve.models import llama4_batch
 
 log = logging.getLogger("mlxserve.engine")
 constrained.install()  # batches mask their constrained rows together (engine/grammar.py)
+chunked.install()  # Llama 4's chunked-attention caches merge into a batch (cache/chunked.py)
+llama4_batch.install()  # and its forward pass takes them (models/llama4_batch.py)
 
 
 @dataclass

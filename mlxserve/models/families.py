@@ -24,9 +24,9 @@ def prefill_batch_size(config: dict, requested: int) -> int:
 
 
 def unbatchable_layers(model) -> list[str]:
-    """Cache classes of the model that mlx-lm's BatchGenerator cannot merge into a batch
-    (0.32.2: Llama 4's ChunkedKVCache has no `merge`): such a model decodes one request
-    at a time."""
+    """Cache classes of the model that mlx-lm's BatchGenerator cannot merge into a batch:
+    such a model decodes one request at a time. (In 0.32.2 Llama 4's ChunkedKVCache has
+    no `merge`; cache/chunked.py gives it one, installed by engine/runner.py.)"""
     from mlx_lm.models.cache import make_prompt_cache
 
     return sorted({type(c).__name__ for c in make_prompt_cache(model) if not hasattr(type(c), "merge")})
