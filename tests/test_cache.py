@@ -609,16 +609,17 @@ def test_cache_faults_never_raise(tiny):
     assert faults["store: ValueError"] == 2
     assert pc.stats()["hit_tokens"] == 0  # the failed restore served nothing
     assert_no_refs(pc)
-    # A model whose cache blocks cannot hold (mlx-lm's ChunkedKVCache) is served uncached.
-    from mlx_lm.models.cache import ChunkedKVCache
+    # A model whose cache blocks cannot hold (mlx-lm's ConcatenateKVCache) is served uncached.
+    from mlx_lm.models.cache import ConcatenateKVCache
 
-    class Chunked:
+    class Concatenating:
         def make_cache(self):
-            return [ChunkedKVCache(64)]
+            return [ConcatenateKVCache()]
 
-    off = PrefixCache(BlockPool(MB), 16, "chunked", model=Chunked())
-    assert off.disabled and off.match(prompt).num_tokens == 0
-    assert off.store_from_cache([ChunkedKVCache(64)], prompt, 40) == 0
+    off = PrefixCache(BlockPool(MB), 16, "concatenating", model=Concatenating())
+    assert off.disabled and "ConcatenateKVCache in cache layers 0" in off.disabled
+    assert off.match(prompt).num_tokens == 0
+    assert off.store_from_cache([ConcatenateKVCache()], prompt, 40) == 0
     assert off.stats()["misses"]["unsupported"] == 1 and not off.stats()["faults"]
 
 

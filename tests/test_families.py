@@ -7,7 +7,6 @@ tokens with the cache off, on full and partial hits, inside a batch and after a
 restart from the disk tier.
 """
 
-import asyncio
 import functools
 import json
 from pathlib import Path
@@ -46,7 +45,7 @@ def recurrent(loaded) -> bool:
     return "state" in spec_kinds(model_specs(loaded.model))
 
 
-@pytest.mark.parametrize("name", SHAPES + sorted(set(CONFIGS) - {"llama4"}))
+@pytest.mark.parametrize("name", SHAPES + sorted(CONFIGS))
 def test_family_is_served_batched_and_cached(name, folder, tmp_path):
     loaded = family(name, folder)
     stats, _ = check_hits_give_the_same_tokens(loaded, SETTINGS, block_granular=recurrent(loaded))
@@ -62,23 +61,6 @@ def test_family_is_served_batched_and_cached(name, folder, tmp_path):
     finally:
         engine.stop()
     assert together[0][0] == alone and len(alone) == 8
-
-
-def test_llama4_runs_one_request_at_a_time_and_names_what_it_cannot_cache(folder):
-    """mlx-lm cannot batch (nor can blocks hold) Llama 4's chunked-attention caches: requests
-    queue and run alone, uncached, with the reason in the stats, and their tokens are right."""
-    loaded = family("llama4", folder)
-    prompts = [prompt_of(40, 1), prompt_of(23, 2)]
-    engine = AsyncEngine(loaded, EngineConfig(**SETTINGS)).start()
-    try:
-        alone = [run(engine, [p])[0] for p in prompts]
-        together = run(engine, prompts)
-        stats = asyncio.run(engine.cache_stats())["prefix_cache"]
-    finally:
-        engine.stop()
-    assert together == alone and all(cached == 0 for _, cached in alone)
-    assert "ChunkedKVCache in cache layers 0, 1, 2" in stats["disabled"]
-    assert stats["misses"]["unsupported"] == 4
 
 
 @pytest.mark.parametrize("solo", [True, False])

@@ -3,8 +3,8 @@
 
 A block's payload is a list with one entry per layer of the model's cache:
 
-- `KV(keys, values)`: the block's tokens of an attention layer, full or
-  sliding-window, each (1, kv_heads, block_size, head_dim).
+- `KV(keys, values)`: the block's tokens of an attention layer, full,
+  sliding-window or chunked, each (1, kv_heads, block_size, head_dim).
 - `QuantizedKV(keys, values, group_size, bits)`: the same, from a quantized
   cache (`--kv-bits`; keys and values are (packed, scales, biases)).
 - `State(arrays)`: a recurrent layer's state (`ArraysCache`) after the block's
@@ -14,12 +14,13 @@ A block's payload is a list with one entry per layer of the model's cache:
 - `Nested(parts)`: a `CacheList` layer, one entry (or None) per sub-cache:
   Falcon-H1 pairs a recurrent state with attention KV in one layer, and the
   KV must not be lost in the blocks where the state is absent.
-- `None`: not available (a sliding-window cache no longer held those tokens,
-  a recurrent layer mid-stream, an unsupported cache class).
+- `None`: not available (a sliding-window or chunked cache no longer held
+  those tokens, a recurrent layer mid-stream, an unsupported cache class).
 
 A layer's spec says what a restore at token p reads: ("full",) every block;
 ("window", max_size, keep) the blocks of the first `keep` and the last
-`max_size - keep` tokens; ("state",) the block ending at p; ("list", specs);
+`max_size - keep` tokens; ("chunk", chunk_size) the blocks from p's chunk start
+(`chunked.py`); ("state",) the block ending at p; ("list", specs);
 ("positions",) nothing: a `PositionState` entry is per-request state that the
 runner sets, never part of a block.
 """
@@ -34,12 +35,15 @@ from mlx_lm.models.cache import (
     BatchKVCache,
     BatchRotatingKVCache,
     CacheList,
+    ChunkedKVCache,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
     make_prompt_cache,
 )
 
+from mlxserve.cache import chunked
+from mlxserve.cache.chunked import BatchChunkedKVCache
 from mlxserve.cache.quantized import BatchQuantizedKVCache
 from mlxserve.cache.quantized import QuantizedKVCache as BatchableQuantizedKVCache
 
@@ -115,6 +119,8 @@ def layer_spec(c):
     # Exact classes first: a subclass may keep state these functions don't know.
     if isinstance(c, PositionState):
         return ("positions",)
+    if isinstance(c, (ChunkedKVCache, BatchChunkedKVCache)):  # before BatchKVCache, its base
+        return ("chunk", c.chunk_size)
     if isinstance(c, (KVCache, QuantizedKVCache, BatchKVCache)):
         return ("full",)
     if isinstance(c, RotatingKVCache):
@@ -126,7 +132,7 @@ def layer_spec(c):
     if isinstance(c, CacheList):
         subs = tuple(layer_spec(s) for s in c.caches)
         return None if None in subs else ("list", subs)
-    return None  # e.g. ChunkedKVCache: not cacheable by blocks
+    return None  # a class blocks cannot hold
 
 
 def layer_specs(cache_layers) -> tuple:
@@ -148,7 +154,8 @@ def unsupported_layers(cache_layers) -> str | None:
     return "; ".join(f"{name} in cache layers {', '.join(map(str, idx))}" for name, idx in layers.items())
 
 
-KIND_NAMES = {"full": "full attention", "window": "sliding window", "state": "recurrent state"}
+KIND_NAMES = {"full": "full attention", "window": "sliding window", "chunk": "chunked attention",
+              "state": "recurrent state"}
 
 
 def describe_specs(specs) -> dict:
@@ -216,6 +223,9 @@ def needed_blocks(spec, num_tokens: int, block_size: int, state_end: int | None 
         if keep:
             ranges.insert(0, (0, -(-keep // block_size)))
         return ranges
+    if kind == "chunk":
+        start, _ = chunked.restore_range(spec[1], num_tokens)
+        return [(start // block_size, nb)] if start < num_tokens else []
     if kind == "state":
         return [(nb - 1, nb)] if num_tokens % block_size == 0 or num_tokens == state_end else None
     if kind == "positions":
@@ -404,7 +414,7 @@ def _offsets(cache_layers) -> list[int]:
     for c in cache_layers:
         if isinstance(c, CacheList):
             out += _offsets(c.caches)
-        elif isinstance(c, (KVCache, QuantizedKVCache, RotatingKVCache)):
+        elif isinstance(c, (KVCache, QuantizedKVCache, RotatingKVCache, ChunkedKVCache)):
             out.append(c.offset)
     return out
 
@@ -412,6 +422,9 @@ def _offsets(cache_layers) -> list[int]:
 def _extract_single(c, start, end, state_here):
     if isinstance(c, PositionState):
         return None
+    if isinstance(c, ChunkedKVCache):
+        runs = chunked.single_runs(c, start, end)
+        return None if runs is None else _take_kv(c, slice(0, 1), runs)
     if isinstance(c, (KVCache, RotatingKVCache, QuantizedKVCache)):
         if c.keys is None or end > c.offset:
             return None
@@ -514,6 +527,9 @@ def _batch_offsets(cache_layers, row) -> list[int]:
 
 
 def _extract_row(c, row, start, end, state_here, seen):
+    if isinstance(c, BatchChunkedKVCache):  # before BatchKVCache, its base
+        runs = chunked.row_runs(c, row, start, end, seen)
+        return None if runs is None else _take_kv(c, slice(row, row + 1), runs)
     if isinstance(c, (BatchKVCache, BatchRotatingKVCache)):
         if id(c) not in seen:  # one device sync per layer and call, not per block
             seen[id(c)] = _row_tokens(c, row)
@@ -552,14 +568,16 @@ def extract_blocks_from_batch(
 
 
 def oldest_window_token(cache_layers, row=None) -> int:
-    """The oldest token every sliding-window layer still holds (0 if none has dropped any).
+    """The oldest token every sliding-window and chunked layer still holds (0 if none has dropped any).
 
-    Blocks before it cannot get window payloads from this cache any more.
+    Blocks before it cannot get those layers' payloads from this cache any more.
     """
     oldest = 0
     for c in cache_layers:
         if isinstance(c, CacheList):
             oldest = max(oldest, oldest_window_token(c.caches, row))
+        elif isinstance(c, (ChunkedKVCache, BatchChunkedKVCache)):
+            oldest = max(oldest, chunked.oldest_held(c, row))
         elif isinstance(c, RotatingKVCache) and c.keys is not None and c._idx < c.offset:
             oldest = max(oldest, c.offset - (c.keys.shape[2] - c.keep))
         elif isinstance(c, BatchRotatingKVCache) and c.keys is not None and row is not None:

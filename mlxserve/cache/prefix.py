@@ -290,12 +290,13 @@ class PrefixCache:
         With recurrent layers: at the prompt's last token but one, with the state
         there, so a repeat of the prompt (which must leave one token to compute)
         and an agent's next turn (which parts from this one where its reasoning
-        began) restore all of it. With sliding-window layers: at its end, since by
-        the time decoding completes that block its first tokens have left the
-        window, and a repeat could only restore up to the block before.
+        began) restore all of it. With sliding-window (or chunked) layers: at its
+        end, since by the time decoding completes that block its first tokens have
+        left the window (the chunk), and a repeat could only restore up to the
+        block before.
         """
         kinds = spec_kinds(self.specs or ())
-        if self.disabled or not {"window", "state"} & kinds:
+        if self.disabled or not {"window", "chunk", "state"} & kinds:
             return None
         return prompt_len - 1 if "state" in kinds else prompt_len
 
@@ -463,8 +464,8 @@ class PrefixCache:
 
         # Blocks that may still get a missing payload from this cache: the
         # block ending where the cache ends (recurrent state) and those whose
-        # tokens every sliding-window layer still holds.
-        has_window = "window" in spec_kinds(specs)
+        # tokens every sliding-window and chunked layer still holds.
+        has_window = bool({"window", "chunk"} & spec_kinds(specs))
         fill_from = -(-oldest_window_token(layers, row) // bs) if has_window else n_full - 1
         pool = self.pool
         done = 0

@@ -1,8 +1,8 @@
 """Rebuilding a prompt cache from cached blocks (see `layers.py` for what a block keeps).
 
 A restore at token p reads, per layer, the blocks its spec names: every block
-for full attention, the first and last blocks of a sliding window, the block
-ending at p for a recurrent state.
+for full attention, the first and last blocks of a sliding window, those from
+p's chunk start for chunked attention, the block ending at p for a recurrent state.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
+    ChunkedKVCache,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
     make_prompt_cache,
 )
 
+from mlxserve.cache.chunked import restore_range
 from mlxserve.cache.layers import (
     KV,
     Nested,
@@ -97,6 +99,20 @@ def _restore_layer(t, entries, num_tokens, block_size, state_end):
         c.values = _gather(entries, block_size, ranges, lambda e: e.values)
         c.offset = num_tokens
         c._idx = c.keys.shape[2]
+        return c
+    if isinstance(t, ChunkedKVCache):
+        # The tokens from the current chunk's start: all that later queries read, fewer
+        # than chunk_size, so the model's next `maybe_trim_front` keeps them all. At a
+        # chunk boundary that is none: the cache is empty but at offset num_tokens.
+        start, end = restore_range(t.chunk_size, num_tokens)
+        c = ChunkedKVCache(t.chunk_size)
+        c.offset, c.start_position = num_tokens, start
+        if start < end:
+            for b in range(start // block_size, -(-end // block_size)):
+                if not isinstance(entries[b], KV):
+                    raise ValueError(f"chunked layer payload is {type(entries[b]).__name__}")
+            c.keys = _gather(entries, block_size, [(start, end)], lambda e: e.keys)
+            c.values = _gather(entries, block_size, [(start, end)], lambda e: e.values)
         return c
     if isinstance(t, ArraysCache):
         last = entries[-1]
