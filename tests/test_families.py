@@ -17,6 +17,7 @@ from mlxserve.cache.layers import model_specs, spec_kinds
 from mlxserve.config import EngineConfig
 from mlxserve.engine.engine import AsyncEngine
 from mlxserve.engine.request import SamplingParams
+from mlxserve.models.families import unbatchable_layers
 from mlxserve.models.load import load
 
 from parity import check_hits_give_the_same_tokens, check_restart_from_disk, prompt_of, run
@@ -50,6 +51,8 @@ def test_family_is_served_batched_and_cached(name, folder, tmp_path):
     loaded = family(name, folder)
     stats, _ = check_hits_give_the_same_tokens(loaded, SETTINGS, block_granular=recurrent(loaded))
     assert stats["disabled"] is None and stats["misses"]["unrestorable"] == 0
+    # The engine (which installs mlxserve's mlx-lm fixes) batches every cache layer of it.
+    assert unbatchable_layers(loaded.model) == []
     check_restart_from_disk(loaded, SETTINGS, tmp_path / "kv")
 
     # Per-request sampling inside a batch: a seeded request draws the same tokens beside others.
