@@ -545,7 +545,12 @@ SHAPES = {
         # Qwen3-VL's preprocessor_config.json gives the pixel bounds as `size`: at most 16 tokens here.
         "preprocessor_config": {"size": {"shortest_edge": 1024, "longest_edge": 16384}, "patch_size": 16,
                                 "merge_size": 2, "temporal_patch_size": 2,
-                                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+                                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                                # video_preprocessor_config.json: a whole video's pixels (frames x h x w);
+                                # 4 frames of 96x80 px are 2 groups of 6 tokens.
+                                "video_preprocessor_config": {"size": {"shortest_edge": 4096, "longest_edge": 65536},
+                                                              "patch_size": 16, "merge_size": 2,
+                                                              "temporal_patch_size": 2}},
     },
     "qwen3.5-vl-tiny": {
         "model_type": "qwen3_5",
@@ -592,7 +597,10 @@ SHAPES = {
         },
         "preprocessor_config": {"size": {"shortest_edge": 1024, "longest_edge": 16384}, "patch_size": 16,
                                 "merge_size": 2, "temporal_patch_size": 2,
-                                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+                                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                                "video_preprocessor_config": {"size": {"shortest_edge": 4096, "longest_edge": 65536},
+                                                              "patch_size": 16, "merge_size": 2,
+                                                              "temporal_patch_size": 2}},
     },
     "gemma4-vl-tiny": {
         "model_type": "gemma4",
