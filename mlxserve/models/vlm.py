@@ -197,6 +197,7 @@ class VisionAdapter:
         return self.tokenizer.convert_ids_to_tokens(token_id)
 
     mrope = False
+    whole_images = False  # an image's tokens attend to each other both ways: a prefill pass holds all or none
     image_token_id: int
 
     def settings_key(self) -> str:
