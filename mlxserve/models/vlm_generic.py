@@ -204,6 +204,48 @@ def _qwen3_5_row_caches() -> None:
 _PATCHES = {"qwen3_5": _qwen3_5_row_caches}  # fixes for mlx-vlm code that meets mlx-lm's batch caches
 
 
+def _gemma4_mask_after_cache() -> None:
+    """Keep Gemma 4's both-ways image attention in a prompt chunk that follows cached tokens.
+
+    With use_bidirectional_attention='vision' (26B-A4B, 31B) mlx-vlm ORs "same
+    image" (a run of media tokens in `mm_token_type_ids`) into the causal mask
+    of a pass, but only when the mask is square, i.e. no tokens are cached
+    before the chunk; otherwise it returns the causal mask as it is, so an image
+    prefilled after cached tokens attends causally only. (mlx-vlm itself
+    prefills such prompts in one pass.) Here the overlay covers the chunk's own
+    keys, the last L columns of the mask over cache + chunk; the cached keys
+    keep what the causal (and sliding-window) mask gives them. That is exact
+    because mlxserve never splits an image between passes (Sequence.cut, and
+    prefix-cache hits back off to an image's start), so the tokens of an image
+    in the chunk have none of their image in the cache. A square mask (nothing
+    cached) goes to mlx-vlm's own overlay.
+    """
+    import mlx.core as mx
+    import mlx_vlm.models.gemma4.language as gemma4
+
+    model = gemma4.Gemma4TextModel
+    original = model._apply_blockwise_bidirectional_overlay
+    if getattr(original, "mlxserve", False):
+        return
+
+    def overlay(self, base_mask, mm_token_type_ids):
+        chunk, keys = base_mask.shape[-2:]
+        if mm_token_type_ids is None or mm_token_type_ids.shape[1] != chunk or keys == chunk:
+            return original(self, base_mask, mm_token_type_ids)
+        blocks = self._block_sequence_ids_for_mask(mm_token_type_ids)
+        same = (blocks[:, :, None] != -1) & (blocks[:, :, None] == blocks[:, None, :])
+        cached = mx.zeros((*same.shape[:2], keys - chunk), dtype=mx.bool_)
+        return base_mask | mx.concatenate([cached, same], axis=-1)[:, None]
+
+    overlay.mlxserve = True
+    overlay.original = original  # mlx-vlm's own (tests compare with it)
+    model._apply_blockwise_bidirectional_overlay = overlay
+
+
+# Families whose mask keeps an image's tokens attending both ways after cached tokens.
+_BIDIRECTIONAL = {"gemma4": _gemma4_mask_after_cache}
+
+
 def tower_blocks(tower) -> list:
     """The tower's transformer blocks, wherever the family keeps them."""
     for path in ("blocks", "encoder.layers", "vision_model.encoder.layers", "layers"):
@@ -215,16 +257,20 @@ def tower_blocks(tower) -> list:
     return []
 
 
+def bidirectional_images(config: dict) -> bool:
+    """Whether the model's image tokens attend to each other both ways (Gemma 4 26B-A4B / 31B)."""
+    return (config.get("text_config") or config).get("use_bidirectional_attention") == "vision"
+
+
 def check_supported(config: dict) -> None:
     """Refuse, before any weight is read, what this path cannot serve exactly."""
     from mlxserve.models.files import ModelLoadError
 
-    text = config.get("text_config") or config
-    if text.get("use_bidirectional_attention") == "vision":
+    if bidirectional_images(config) and config["model_type"] not in _BIDIRECTIONAL:
         raise ModelLoadError(
             f"{config['model_type']} with use_bidirectional_attention='vision' (attention both ways within each "
-            "image, as in Gemma 4 26B-A4B/31B) is not supported yet: mlx-vlm drops it whenever a prompt chunk "
-            "follows cached tokens, so chunked prefill and prefix-cache hits would change the model's tokens")
+            "image) is not supported: mlx-vlm drops it whenever a prompt chunk follows cached tokens, and "
+            "mlxserve mends that for Gemma 4 only")
 
 
 class GenericVLM(VisionAdapter):
@@ -239,6 +285,9 @@ class GenericVLM(VisionAdapter):
         check_supported(config)
         if self.family in _PATCHES:
             _PATCHES[self.family]()
+        self.whole_images = bidirectional_images(config)
+        if self.whole_images:
+            _BIDIRECTIONAL[self.family]()
         super().__init__(model, config, processor_config, tokenizer)
         self.images = _PROCESSORS[spec.processor](config, processor_config)
         self.image_token_id = config.get("image_token_id", config.get("image_token_index"))
@@ -325,6 +374,11 @@ class GenericVLM(VisionAdapter):
             out["deepstack_visual_embeds"] = [rows[:, j] for j in range(rows.shape[1])]
         if getattr(text, "per_layer_inputs", None) is not None:
             out["per_layer_inputs"] = text.per_layer_inputs
+        if self.whole_images:  # which tokens are media: mlx-vlm's mask lets each run attend to itself both ways
+            types = (ids == self.image_token_id).astype(mx.int32)
+            if self.video_token_id is not None:
+                types = types + 2 * (ids == self.video_token_id)
+            out["mm_token_type_ids"] = types
         return out
 
     def embed(self, token_ids, spans):
