@@ -198,3 +198,30 @@ def test_video_over_http_and_bad_video(vlm_server, tiny):
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages[0].content[0]")
     with pytest.raises(ImagePartError, match="not video"):  # Gemma 3 takes images only
         prepare_images(tiny("gemma3-vl-tiny").vision, [("part", video_url(), "video")], MediaLimits())
+
+
+@pytest.mark.parametrize("shape", ["qwen3-vl-tiny", "qwen3.5-vl-tiny"])
+def test_generic_video_over_http_matches_mlx_vlm(tiny, shape):
+    """A video_url part to Qwen3-VL / Qwen3.5: mlx-vlm's whole-prompt tokens, and a repeat hits the cache."""
+    import httpx
+    from conftest import LiveServer
+
+    from mlxserve.multimodal.prompt import chat_prompt
+    from tests.test_vlm import mlx_vlm_greedy
+    from tests.test_vlm_video import clip_url, frames_of, mlx_vlm_video_inputs, video_message
+
+    loaded = tiny(shape)
+    url = clip_url(seed=7)
+    live = LiveServer(loaded, EngineConfig(block_size=16, prefill_chunk_size=5))
+    try:
+        body = {"messages": [video_message(url)], "max_tokens": 6, "temperature": 0}
+        first, again = (httpx.post(live.base_url + "/chat/completions", json=body, timeout=60) for _ in range(2))
+    finally:
+        live.close()
+    assert first.status_code == again.status_code == 200, first.text
+    ids, _ = chat_prompt(loaded, [video_message(url)])
+    want = mlx_vlm_greedy(loaded.vision, ids, 6, **mlx_vlm_video_inputs(loaded.vision, frames_of(url)))
+    assert first.json()["choices"][0]["message"]["content"] == loaded.tokenizer.decode(want)
+    assert again.json()["choices"][0]["message"]["content"] == loaded.tokenizer.decode(want)
+    assert first.json()["usage"]["prompt_tokens"] == len(ids)
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1

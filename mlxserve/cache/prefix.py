@@ -136,11 +136,13 @@ class PrefixCache:
 
     # ---- lookup ----
 
-    def match(self, token_ids, extra_keys=None) -> PrefixMatch:
+    def match(self, token_ids, extra_keys=None, whole=()) -> PrefixMatch:
         """The longest restorable cached prefix of `token_ids`, its blocks acquired.
 
         Leaves at least one token to prefill (the model must compute the
-        logits of the last prompt token).
+        logits of the last prompt token), and ends inside none of the `whole`
+        token ranges (images whose tokens attend to each other both ways: the
+        rest of one would be prefilled without its start).
         """
         self.queries += 1
         self.queried_tokens += len(token_ids)
@@ -148,7 +150,7 @@ class PrefixCache:
             match = PrefixMatch(miss="unsupported")
         else:
             try:
-                match = self._match(token_ids, extra_keys)
+                match = self._match(token_ids, extra_keys, whole=whole)
             except Exception as e:  # noqa: BLE001 - a cache fault must not fail the request
                 self._fault("match", e)
                 return PrefixMatch()
@@ -160,12 +162,22 @@ class PrefixCache:
             self.partial_hits += match.partial
         return match
 
-    def _match(self, token_ids, extra_keys, from_disk: bool = True) -> PrefixMatch:
-        """`match` without counting it."""
+    def _match(self, token_ids, extra_keys, from_disk: bool = True, whole=()) -> PrefixMatch:
+        """`match` without counting it: a hit ending inside a `whole` range is matched again, up to its start."""
+        usable = len(token_ids) - 1
+        while True:
+            match = self._match_upto(token_ids, extra_keys, usable, from_disk)
+            inside = next((start for start, end in whole if start < match.num_tokens < end), None)
+            if inside is None:
+                return match
+            self.pool.release(match.blocks)
+            usable = inside
+
+    def _match_upto(self, token_ids, extra_keys, usable: int, from_disk: bool) -> PrefixMatch:
+        """The longest restorable cached prefix of at most `usable` tokens."""
         bs = self.block_size
         hashes = hash_blocks(token_ids, bs, fingerprint=self.fingerprint, extra_keys=extra_keys)
         specs = self.specs
-        usable = len(token_ids) - 1
         has_state = self._has_state(specs)
         if has_state:  # recurrent states exist at block ends only
             best = min(len(hashes), usable // bs) * bs

@@ -51,12 +51,20 @@ class Sequence:
     extra_keys: list | None = None  # per block: the images in it (see Request.block_extra_keys)
     # Token counts where prefill passes stop and keep recurrent states (PrefixCache.checkpoints).
     checkpoints: list[int] = field(default_factory=list)
+    # Token ranges a prefill pass holds whole or not at all: the images of a model whose image
+    # tokens attend to each other both ways (VisionAdapter.whole_images).
+    whole: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprobs: list | None = None  # computed by a PromptScorer; its first event carries them
 
     def cut(self, done: int, n: int) -> int:
-        """The next prefill pass's length from `done` tokens: at most n, ending at a checkpoint."""
+        """The next prefill pass's length from `done` tokens: at most n, ending at a checkpoint,
+        and never inside a `whole` range: before it, or (the pass starting there) after all of it."""
         stop = next((p for p in self.checkpoints if p > done), None)
-        return n if stop is None else min(n, stop - done)
+        end = done + (n if stop is None else min(n, stop - done))
+        for lo, hi in self.whole:
+            if lo < end < hi:
+                return (lo if lo > done else hi) - done
+        return end - done
 
     @property
     def request_id(self) -> str:
@@ -272,7 +280,7 @@ class Runner:
         if pc is None:
             return None
         seq.extra_keys = seq.request.block_extra_keys(pc.block_size)
-        match = pc.match(seq.request.prompt_token_ids, seq.extra_keys)
+        match = pc.match(seq.request.prompt_token_ids, seq.extra_keys, whole=seq.whole)
         seq.block_hashes = match.hashes
         cache = pc.restore(self.model, match)
         pc.release(match)  # the restored cache is a copy
@@ -286,6 +294,8 @@ class Runner:
         """Start a sequence. May return an event of a solo sequence moved into the batch."""
         if seq.request.images and self.vision is None:
             raise ValueError("this model takes no images")
+        if seq.request.images and self.vision.whole_images:
+            seq.whole = [(im.start, im.start + im.num_tokens) for im in seq.request.images]
         if seq.request.params.prompt_logprobs is not None:  # a fresh cache: see engine/scoring.py
             self.scoring.append(PromptScorer(self.model, seq, self.prefill_chunk_size,
                                              make_cache(self.model, self.kv_bits, dequantize=self.dequantize_kv),

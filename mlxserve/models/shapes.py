@@ -545,7 +545,12 @@ SHAPES = {
         # Qwen3-VL's preprocessor_config.json gives the pixel bounds as `size`: at most 16 tokens here.
         "preprocessor_config": {"size": {"shortest_edge": 1024, "longest_edge": 16384}, "patch_size": 16,
                                 "merge_size": 2, "temporal_patch_size": 2,
-                                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+                                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                                # video_preprocessor_config.json: a whole video's pixels (frames x h x w);
+                                # 4 frames of 96x80 px are 2 groups of 6 tokens.
+                                "video_preprocessor_config": {"size": {"shortest_edge": 4096, "longest_edge": 65536},
+                                                              "patch_size": 16, "merge_size": 2,
+                                                              "temporal_patch_size": 2}},
     },
     "qwen3.5-vl-tiny": {
         "model_type": "qwen3_5",
@@ -592,7 +597,10 @@ SHAPES = {
         },
         "preprocessor_config": {"size": {"shortest_edge": 1024, "longest_edge": 16384}, "patch_size": 16,
                                 "merge_size": 2, "temporal_patch_size": 2,
-                                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+                                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                                "video_preprocessor_config": {"size": {"shortest_edge": 4096, "longest_edge": 65536},
+                                                              "patch_size": 16, "merge_size": 2,
+                                                              "temporal_patch_size": 2}},
     },
     "gemma4-vl-tiny": {
         "model_type": "gemma4",
@@ -692,6 +700,13 @@ SHAPES = {
     },
 }
 
+# Gemma 4 31B-style: an image's tokens attend to each other both ways, full attention's values are
+# its keys, no per-layer inputs or shared KV; a window of 8, so an image (16 tokens) reaches past it.
+SHAPES["gemma4-vl-bidi-tiny"] = {**SHAPES["gemma4-vl-tiny"], "text_config": {
+    **SHAPES["gemma4-vl-tiny"]["text_config"], "use_bidirectional_attention": "vision", "attention_k_eq_v": True,
+    "num_global_key_value_heads": 1, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0,
+    "sliding_window": 8}}
+
 DESCRIPTIONS = {
     "qwen2.5-0.5b": "Qwen2.5-0.5B (the default model's architecture)",
     "qwen3-0.6b": "Qwen3-0.6B",
@@ -717,6 +732,7 @@ DESCRIPTIONS = {
     "qwen3-vl-tiny": "tiny Qwen3-VL for tests (deepstack after 2 layers, images up to 16 tokens)",
     "qwen3.5-vl-tiny": "tiny Qwen3.5 with vision for tests (3 Gated DeltaNet + 1 attention layer, 16 tokens)",
     "gemma4-vl-tiny": "tiny Gemma 4 E-style vision-language for tests (per-layer inputs, shared KV, 16 tokens)",
+    "gemma4-vl-bidi-tiny": "tiny Gemma 4 31B-style vision-language for tests (images attended both ways, window 8)",
     "qwen3-vl-4b": "Qwen3-VL-4B-like (24-block ViT, deepstack at blocks 5/11/17, M-RoPE)",
 }
 

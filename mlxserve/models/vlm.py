@@ -50,6 +50,7 @@ class ImageInput:
     num_tokens: int  # placeholder tokens it takes in the prompt
     image: object = None  # while pixel_values is None: the decoded image, or (VideoFrames, group) for video
     video: int | None = None  # for a group of video frames: which video of the request it belongs to
+    seconds: float | None = None  # for a group of video frames: its time in the video (Qwen3-VL)
 
 
 class VideoFrames:
@@ -196,6 +197,7 @@ class VisionAdapter:
         return self.tokenizer.convert_ids_to_tokens(token_id)
 
     mrope = False
+    whole_images = False  # an image's tokens attend to each other both ways: a prefill pass holds all or none
     image_token_id: int
 
     def settings_key(self) -> str:
@@ -339,24 +341,7 @@ class QwenVL(VisionAdapter):
         return tower(pixels, mx.array([image.grid_thw]), output_hidden_states=False)
 
     def preprocess_video(self, frames: list, video: int) -> list[ImageInput]:
-        """A video's frames as groups of `temporal_patch_size` frames, each a tower input of its own.
-
-        The frames are resized and patchified as one video (the size depends
-        on the frame count), then split by group: the tower attends within a
-        group only (full-attention blocks per temporal step, windows inside
-        them), so encoding groups one by one gives the whole video's rows.
-        """
-        from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import _smart_resize_video
-
-        vp = self.video_processor
-        h, w = _smart_resize_video(num_frames=len(frames), height=frames[0].height, width=frames[0].width,
-                                   temporal_factor=vp.temporal_patch_size, factor=vp.patch_size * vp.merge_size,
-                                   min_pixels=vp.min_pixels, max_pixels=vp.max_pixels)
-        grid = (1, h // vp.patch_size, w // vp.patch_size)
-        shared = VideoFrames(frames)
-        groups = -(-len(frames) // vp.temporal_patch_size)
-        return [ImageInput(None, grid, math.prod(grid) // self.merge**2, image=(shared, g), video=video)
-                for g in range(groups)]
+        return video_groups(self.video_processor, frames, video)
 
     def video_placeholder(self, groups: list[ImageInput]) -> str:
         start, _, end = self._wrap
@@ -396,6 +381,27 @@ class QwenVL(VisionAdapter):
             return self.positions(token_ids, images)[1]
         self._deltas.move_to_end(grids)
         return delta
+
+
+def video_groups(vp, frames: list, video: int) -> list[ImageInput]:
+    """A video's frames as groups of `temporal_patch_size` frames, each a tower input of its own.
+
+    The frames are resized and patchified as one video by Qwen's video processor
+    `vp` (the size depends on the frame count), then split by group: Qwen's
+    towers attend within a group only (full-attention blocks per temporal step,
+    windows inside them; Qwen3-VL's position embeddings repeat per step), so
+    encoding groups one by one gives the whole video's rows.
+    """
+    from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import _smart_resize_video
+
+    h, w = _smart_resize_video(num_frames=len(frames), height=frames[0].height, width=frames[0].width,
+                               temporal_factor=vp.temporal_patch_size, factor=vp.patch_size * vp.merge_size,
+                               min_pixels=vp.min_pixels, max_pixels=vp.max_pixels)
+    grid = (1, h // vp.patch_size, w // vp.patch_size)
+    shared = VideoFrames(frames)
+    groups = -(-len(frames) // vp.temporal_patch_size)
+    return [ImageInput(None, grid, math.prod(grid) // vp.merge_size**2, image=(shared, g), video=video)
+            for g in range(groups)]
 
 
 def _guard_window_index(tower) -> None:
@@ -549,8 +555,13 @@ def load_vlm_weights(folder):
 
 
 def processor_config(folder) -> dict:
-    path = Path(folder) / "preprocessor_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """preprocessor_config.json, and video_preprocessor_config.json (where Qwen3-VL keeps its
+    video settings) under that name."""
+    path, video = Path(folder) / "preprocessor_config.json", Path(folder) / "video_preprocessor_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    if video.is_file():
+        config["video_preprocessor_config"] = json.loads(video.read_text())
+    return config
 
 
 def build_vlm(config: dict):

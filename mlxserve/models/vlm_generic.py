@@ -14,11 +14,16 @@ Qwen3-VL's `deepstack_visual_embeds` and `visual_pos_masks`, Gemma 4's
   ids zeroed); the image rows are spliced in, and the chunk's extras are
   passed to the language model with them.
 
+A video is cut into frame groups (models/vlm.py `video_groups`), each encoded
+like an image: `get_input_embeddings([video token] * n, pixel_values_videos=
+its pixels, video_grid_thw=its grid)`, so a group is one vision-cache entry and
+one extra key of the prefix blocks it falls in, as an image is.
+
 What a family needs is read off the model (M-RoPE: the language model has
 `get_rope_index`; deepstack: `deepstack_visual_indexes`; bidirectional image
 attention: `use_bidirectional_attention`), and off the small FAMILIES table:
-its image processor and the tokens around an image. A new family that fits
-this interface is one FAMILIES entry.
+its image processor, the tokens around an image, how it takes video. A new
+family that fits this interface is one FAMILIES entry.
 """
 
 from __future__ import annotations
@@ -29,18 +34,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mlxserve.models.vlm import ImageInput, VisionAdapter
+from mlxserve.models.vlm import ImageInput, VisionAdapter, video_groups
 
 
 @dataclass(frozen=True)
 class Family:
     processor: str  # "qwen": smart resize to a patch grid (Qwen3VLImageProcessor); "gemma4": aspect-preserving budget
     wrap: tuple[str, str]  # config keys of the tokens before and after an image's run of image tokens
+    video: str | None = None  # "qwen3": timestamped frame groups (_QwenVideo); None: images only
 
 
 FAMILIES = {
-    "qwen3_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id")),
-    "qwen3_5": Family("qwen", ("vision_start_token_id", "vision_end_token_id")),
+    "qwen3_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3"),
+    "qwen3_5": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3"),
     "gemma4": Family("gemma4", ("boi_token_id", "eoi_token_id")),
 }
 
@@ -117,6 +123,53 @@ class _Gemma4Images:
 _PROCESSORS = {"qwen": _QwenImages, "gemma4": _Gemma4Images}
 
 
+class _QwenVideo:
+    """Qwen3-VL / Qwen3.5 video, as mlx-vlm's Qwen3VLProcessor renders it: each frame group is a
+    vision block of its own after its time, `<1.5 seconds><|vision_start|><|video_pad|>...<|vision_end|>`
+    (so M-RoPE places every group as an image of grid (1, h, w), text between them)."""
+
+    def __init__(self, config: dict, pc: dict):
+        from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        # As mlx-vlm reads them (_qwen_vl_video_kwargs): video_preprocessor_config.json, else the image settings.
+        raw = pc.get("video_preprocessor_config") or pc
+        vc = config["vision_config"]
+        size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
+        kwargs = {"patch_size": vc.get("patch_size", 16), "merge_size": vc.get("spatial_merge_size", 2),
+                  "temporal_patch_size": vc.get("temporal_patch_size", 2)}
+        kwargs.update({k: raw[k] for k in ("patch_size", "temporal_patch_size", "merge_size", "fps", "min_frames",
+                                           "max_frames", "image_mean", "image_std", "rescale_factor", "do_rescale",
+                                           "do_normalize", "do_convert_rgb") if k in raw})
+        for key, bound in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if raw.get(key, size.get(bound)) is not None:
+                kwargs[key] = raw.get(key, size.get(bound))
+        self.processor = Qwen3VLVideoProcessor(**kwargs)
+
+    def groups(self, frames: list, video: int) -> list[ImageInput]:
+        """The frame groups, each with its time: its first and last frame's mean, in seconds from the
+        decoder's frame times, else (frames given as a list) at the processor's fps, as mlx-vlm does."""
+        groups = video_groups(self.processor, frames, video)
+        tps = self.processor.temporal_patch_size
+        times = list(getattr(frames, "times", None) or [i / self.processor.fps for i in range(len(frames))])
+        times += times[-1:] * (len(groups) * tps - len(times))  # the last group is filled with the last frame
+        for g, group in enumerate(groups):
+            group.seconds = (times[g * tps] + times[(g + 1) * tps - 1]) / 2
+        return groups
+
+    @staticmethod
+    def placeholder(groups: list[ImageInput], start: str, pad: str, end: str) -> str:
+        return "".join(f"<{g.seconds:.1f} seconds>{start}{pad * g.num_tokens}{end}" for g in groups)
+
+    @staticmethod
+    def tower_kwargs(group: ImageInput, pixels) -> dict:
+        import mlx.core as mx
+
+        return {"pixel_values_videos": pixels, "video_grid_thw": mx.array([group.grid_thw])}
+
+
+_VIDEOS = {"qwen3": _QwenVideo}
+
+
 def _qwen3_5_row_caches() -> None:
     """Let mlx-vlm's Qwen3.5 split mlx-lm's batch caches into rows.
 
@@ -151,6 +204,48 @@ def _qwen3_5_row_caches() -> None:
 _PATCHES = {"qwen3_5": _qwen3_5_row_caches}  # fixes for mlx-vlm code that meets mlx-lm's batch caches
 
 
+def _gemma4_mask_after_cache() -> None:
+    """Keep Gemma 4's both-ways image attention in a prompt chunk that follows cached tokens.
+
+    With use_bidirectional_attention='vision' (26B-A4B, 31B) mlx-vlm ORs "same
+    image" (a run of media tokens in `mm_token_type_ids`) into the causal mask
+    of a pass, but only when the mask is square, i.e. no tokens are cached
+    before the chunk; otherwise it returns the causal mask as it is, so an image
+    prefilled after cached tokens attends causally only. (mlx-vlm itself
+    prefills such prompts in one pass.) Here the overlay covers the chunk's own
+    keys, the last L columns of the mask over cache + chunk; the cached keys
+    keep what the causal (and sliding-window) mask gives them. That is exact
+    because mlxserve never splits an image between passes (Sequence.cut, and
+    prefix-cache hits back off to an image's start), so the tokens of an image
+    in the chunk have none of their image in the cache. A square mask (nothing
+    cached) goes to mlx-vlm's own overlay.
+    """
+    import mlx.core as mx
+    import mlx_vlm.models.gemma4.language as gemma4
+
+    model = gemma4.Gemma4TextModel
+    original = model._apply_blockwise_bidirectional_overlay
+    if getattr(original, "mlxserve", False):
+        return
+
+    def overlay(self, base_mask, mm_token_type_ids):
+        chunk, keys = base_mask.shape[-2:]
+        if mm_token_type_ids is None or mm_token_type_ids.shape[1] != chunk or keys == chunk:
+            return original(self, base_mask, mm_token_type_ids)
+        blocks = self._block_sequence_ids_for_mask(mm_token_type_ids)
+        same = (blocks[:, :, None] != -1) & (blocks[:, :, None] == blocks[:, None, :])
+        cached = mx.zeros((*same.shape[:2], keys - chunk), dtype=mx.bool_)
+        return base_mask | mx.concatenate([cached, same], axis=-1)[:, None]
+
+    overlay.mlxserve = True
+    overlay.original = original  # mlx-vlm's own (tests compare with it)
+    model._apply_blockwise_bidirectional_overlay = overlay
+
+
+# Families whose mask keeps an image's tokens attending both ways after cached tokens.
+_BIDIRECTIONAL = {"gemma4": _gemma4_mask_after_cache}
+
+
 def tower_blocks(tower) -> list:
     """The tower's transformer blocks, wherever the family keeps them."""
     for path in ("blocks", "encoder.layers", "vision_model.encoder.layers", "layers"):
@@ -162,16 +257,20 @@ def tower_blocks(tower) -> list:
     return []
 
 
+def bidirectional_images(config: dict) -> bool:
+    """Whether the model's image tokens attend to each other both ways (Gemma 4 26B-A4B / 31B)."""
+    return (config.get("text_config") or config).get("use_bidirectional_attention") == "vision"
+
+
 def check_supported(config: dict) -> None:
     """Refuse, before any weight is read, what this path cannot serve exactly."""
     from mlxserve.models.files import ModelLoadError
 
-    text = config.get("text_config") or config
-    if text.get("use_bidirectional_attention") == "vision":
+    if bidirectional_images(config) and config["model_type"] not in _BIDIRECTIONAL:
         raise ModelLoadError(
             f"{config['model_type']} with use_bidirectional_attention='vision' (attention both ways within each "
-            "image, as in Gemma 4 26B-A4B/31B) is not supported yet: mlx-vlm drops it whenever a prompt chunk "
-            "follows cached tokens, so chunked prefill and prefix-cache hits would change the model's tokens")
+            "image) is not supported: mlx-vlm drops it whenever a prompt chunk follows cached tokens, and "
+            "mlxserve mends that for Gemma 4 only")
 
 
 class GenericVLM(VisionAdapter):
@@ -186,6 +285,9 @@ class GenericVLM(VisionAdapter):
         check_supported(config)
         if self.family in _PATCHES:
             _PATCHES[self.family]()
+        self.whole_images = bidirectional_images(config)
+        if self.whole_images:
+            _BIDIRECTIONAL[self.family]()
         super().__init__(model, config, processor_config, tokenizer)
         self.images = _PROCESSORS[spec.processor](config, processor_config)
         self.image_token_id = config.get("image_token_id", config.get("image_token_index"))
@@ -195,6 +297,12 @@ class GenericVLM(VisionAdapter):
                              f"(image_token_id, {spec.wrap[0]}, {spec.wrap[1]})")
         self._wrap = (self.token_text(start), self.token_text(self.image_token_id), self.token_text(end))
         self._deltas: OrderedDict[tuple, int] = OrderedDict()  # image grids -> M-RoPE delta
+        self.videos = _VIDEOS[spec.video](config, processor_config) if spec.video else None
+        if self.videos is not None:
+            self.video_token_id = config.get("video_token_id")
+            if self.video_token_id is None:
+                raise ValueError(f"{self.family}: config.json lacks video_token_id")
+            self.video_processor = self.videos.processor  # VisionAdapter.pixels makes a video's pixels with it
 
     def tower_blocks(self) -> list:
         return tower_blocks(self.model.vision_tower)
@@ -209,14 +317,28 @@ class GenericVLM(VisionAdapter):
         start, pad, end = self._wrap
         return start + pad * image.num_tokens + end
 
+    def preprocess_video(self, frames: list, video: int) -> list[ImageInput]:
+        if self.videos is None:
+            return super().preprocess_video(frames, video)
+        return self.videos.groups(frames, video)
+
+    def video_placeholder(self, groups: list[ImageInput]) -> str:
+        start, _, end = self._wrap
+        return self.videos.placeholder(groups, start, self.token_text(self.video_token_id), end)
+
     def encode(self, image: ImageInput):
-        """The image's rows as mlx-vlm's own merge places them: [n, D], or [n, 1 + k, D] with
-        Qwen3-VL's k deepstack rows beside each token's embedding."""
+        """The image's (or video frame group's) rows as mlx-vlm's own merge places them: [n, D], or
+        [n, 1 + k, D] with Qwen3-VL's k deepstack rows beside each token's embedding."""
         import mlx.core as mx
 
-        ids = mx.array([[self.image_token_id] * image.num_tokens])
-        f = self.model.get_input_embeddings(ids, mx.array(self.pixels(image)), mask=mx.ones(ids.shape),
-                                            **self.images.image_kwargs(image))
+        pixels = mx.array(self.pixels(image))
+        if image.video is None:
+            ids = mx.array([[self.image_token_id] * image.num_tokens])
+            kwargs = {"pixel_values": pixels, **self.images.image_kwargs(image)}
+        else:
+            ids = mx.array([[self.video_token_id] * image.num_tokens])
+            kwargs = self.videos.tower_kwargs(image, pixels)
+        f = self.model.get_input_embeddings(ids, mask=mx.ones(ids.shape), **kwargs)
         extra = {k for k, v in f.to_dict().items() if v is not None} - _KNOWN_FEATURES
         if extra:
             raise ValueError(f"{self.family}: mlx-vlm's get_input_embeddings also gives {sorted(extra)}, "
@@ -247,10 +369,16 @@ class GenericVLM(VisionAdapter):
         out = {"inputs_embeds": mx.concatenate(pieces)[None] if spans else emb[None]}
         if deep:
             rows = mx.concatenate(deep).astype(emb.dtype)  # the chunk's image tokens, in prompt order
-            out["visual_pos_masks"] = ids == self.image_token_id
+            media = ids == self.image_token_id
+            out["visual_pos_masks"] = media if self.video_token_id is None else media | (ids == self.video_token_id)
             out["deepstack_visual_embeds"] = [rows[:, j] for j in range(rows.shape[1])]
         if getattr(text, "per_layer_inputs", None) is not None:
             out["per_layer_inputs"] = text.per_layer_inputs
+        if self.whole_images:  # which tokens are media: mlx-vlm's mask lets each run attend to itself both ways
+            types = (ids == self.image_token_id).astype(mx.int32)
+            if self.video_token_id is not None:
+                types = types + 2 * (ids == self.video_token_id)
+            out["mm_token_type_ids"] = types
         return out
 
     def embed(self, token_ids, spans):
@@ -261,16 +389,21 @@ class GenericVLM(VisionAdapter):
             return None, 0
         import mlx.core as mx
 
-        grids = [im.grid_thw for im in images]
-        pos, delta = self.model.language_model.get_rope_index(mx.array([token_ids]), mx.array(grids), None, None)
+        # A video's groups go as video grids of (1, h, w) each: mlx-vlm cuts a video's (t, h, w)
+        # into those rows itself, one per vision block.
+        grids = [im.grid_thw for im in images if im.video is None]
+        videos = [im.grid_thw for im in images if im.video is not None]
+        pos, delta = self.model.language_model.get_rope_index(
+            mx.array([token_ids]), mx.array(grids) if grids else None, mx.array(videos) if videos else None, None)
         delta = int(delta.reshape(-1)[0].item())
-        self._deltas[tuple(grids)] = delta
+        self._deltas[tuple(im.grid_thw for im in images)] = delta
         while len(self._deltas) > 1024:
             self._deltas.popitem(last=False)
         return pos, delta
 
     def rope_delta(self, token_ids, images) -> int:
-        # As for Qwen2.5-VL: the delta is a function of the image grids alone.
+        # As for Qwen2.5-VL: the delta is a function of the image grids alone (a video
+        # group's block is placed as an image's of its grid).
         key = tuple(im.grid_thw for im in images)
         delta = self._deltas.get(key)
         if delta is None:

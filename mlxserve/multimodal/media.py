@@ -79,12 +79,22 @@ def load_image(url: str, limits: MediaLimits) -> LoadedImage:
     return LoadedImage(image, pixel_hash(image))
 
 
-def load_video(url: str, limits: MediaLimits) -> list:
+class VideoClip(list):
+    """A video's frames (PIL, RGB), and when each was shown: `times[i]` in seconds from the first
+    frame (Qwen3-VL writes each frame group's time into the prompt). A plain list of frames
+    (the Python API's "video" parts) has no times."""
+
+    def __init__(self, frames, times: list[float]):
+        super().__init__(frames)
+        self.times = times
+
+
+def load_video(url: str, limits: MediaLimits) -> VideoClip:
     """A video's frames (PIL, RGB), sampled at `video_fps` up to `max_video_frames`, an even count."""
     return decode_video(read_source(url, limits), limits)
 
 
-def decode_video(data: bytes, limits: MediaLimits) -> list:
+def decode_video(data: bytes, limits: MediaLimits) -> VideoClip:
     try:
         import av
     except ImportError:
@@ -101,11 +111,12 @@ def decode_video(data: bytes, limits: MediaLimits) -> list:
             raise MediaError(f"the video's frames have {stream.width}x{stream.height} pixels, more than "
                              f"the {limits.max_pixels} this server accepts")
         # One frame per 1/fps seconds: the first frame at or after each sample time.
-        frames, next_time = [], 0.0
+        frames, times, next_time = [], [], 0.0
         try:
             for frame in container.decode(stream):
                 if frame.time is None or frame.time + 1e-6 >= next_time:
                     frames.append(frame.to_image().convert("RGB"))
+                    times.append(frame.time)
                     next_time = (frame.time or 0.0) + 1.0 / limits.video_fps
                     if len(frames) >= limits.max_video_frames:
                         break
@@ -115,9 +126,15 @@ def decode_video(data: bytes, limits: MediaLimits) -> list:
     if not frames:
         raise MediaError("the video has no frames")
     frames = frames[: limits.max_video_frames - limits.max_video_frames % 2 or None]
+    # Seconds from the first frame, as Hugging Face's processors count them (source frame
+    # index / fps); where the stream gives no times, the sampling rate's.
+    if any(t is None for t in times):
+        times = [i / limits.video_fps for i in range(len(frames))]
+    times = [t - times[0] for t in times[: len(frames)]]
     if len(frames) % 2:  # the tower takes frames in pairs: repeat the last one
         frames.append(frames[-1])
-    return frames
+        times.append(times[-1])
+    return VideoClip(frames, times)
 
 
 def read_source(url: str, limits: MediaLimits) -> bytes:
