@@ -52,8 +52,9 @@ log = logging.getLogger(__name__)
 # no_match: never stored; evicted: stored, pushed out by the budget; model_mismatch:
 # stored under another model fingerprint; too_short: no full block before the
 # last token; unrestorable: blocks are cached but lack a layer's payload where a
-# restore would read it; unsupported: the model has cache layers blocks cannot hold.
-MISS_REASONS = ("no_match", "evicted", "model_mismatch", "too_short", "unrestorable", "unsupported")
+# restore would read it; unsupported: the model has cache layers blocks cannot hold;
+# damaged: the first block was on disk, but its file failed its check (and is gone).
+MISS_REASONS = ("no_match", "evicted", "model_mismatch", "too_short", "unrestorable", "unsupported", "damaged")
 
 # Cached children of the last matched block compared token by token with the
 # rest of the prompt (the most recently stored or used ones).
@@ -177,6 +178,7 @@ class PrefixCache:
         """The longest restorable cached prefix of at most `usable` tokens."""
         bs = self.block_size
         hashes = hash_blocks(token_ids, bs, fingerprint=self.fingerprint, extra_keys=extra_keys)
+        drops = self.disk.drops if self.disk is not None else 0
         specs = self.specs
         has_state = self._has_state(specs)
         if has_state:  # recurrent states exist at block ends only
@@ -212,6 +214,8 @@ class PrefixCache:
             self.pool.release(blocks)
             raise
         if num == 0:
+            if found == 0 and self.disk is not None and self.disk.drops > drops:
+                return PrefixMatch([], 0, hashes, miss="damaged")
             return PrefixMatch([], 0, hashes, miss=self._miss_reason(token_ids, extra_keys, hashes, best, found))
         return PrefixMatch(blocks, num, hashes, partial=partial)
 
