@@ -138,6 +138,57 @@ def test_disk_tier_serves_blocks_after_a_restart(tiny, quantizable, tmp_path, sh
     check_restart_from_disk(loaded, settings, tmp_path / "kv")
 
 
+# A plain model, a sliding-window one and a hybrid (Gated DeltaNet) one, at the default
+# checkpoint interval: recurrent states exist only where a pass stopped.
+RESTART_CASES = {"llama-tiny": CASES["llama-tiny"], "gemma3-tiny": CASES["gemma3-tiny"],
+                 "qwen3.5-tiny": dict(block_size=16, prefill_chunk_size=32)}
+
+
+@pytest.mark.parametrize("shape", list(RESTART_CASES))
+def test_a_restart_from_disk_hits_as_far_as_memory_did(tiny, tmp_path, shape):
+    """After a restart, every prefix of a conversation restores from disk as many tokens as memory
+    did before it, to the token: finished requests' partial last blocks are on disk, and so are
+    layers filled in later (sliding-window KV, recurrent states). A repeated prompt hits as far
+    as in memory, with the same greedy tokens.
+
+    Turn 1's blocks are written before turn 2 runs (as an idle server writes them), so what turn 2
+    and a branch parting inside turn 1's answer fill in must be written again."""
+    loaded, settings = tiny(shape), RESTART_CASES[shape]
+    disk = dict(disk_cache_dir=str(tmp_path / "kv"), **settings)
+    turn1 = prompt_of(50, 61)
+    first = AsyncEngine(loaded, EngineConfig(**disk)).start()
+    try:
+        (answer, _), = run(first, [turn1], greedy(40))
+        first.call(first.prefix_cache.disk.flush).result()
+        turn2 = turn1 + answer + prompt_of(10, 62)
+        branch = turn1 + answer[:20] + prompt_of(10, 63)
+        run(first, [turn2])
+        run(first, [branch])
+        (repeat, repeat_cached), = run(first, [turn2])
+        probes = [p[:n] + [7] for p in (turn2, branch) for n in range(1, len(p) + 1)]
+        in_memory = first.call(lambda: [first.prefix_cache.covered_tokens(q) for q in probes]).result()
+    finally:
+        first.stop()
+
+    def restored(pc, prompt):
+        match = pc.match(prompt)
+        pc.release(match)
+        return match.num_tokens
+
+    second = AsyncEngine(loaded, EngineConfig(**disk)).start()  # reads only: writes nothing new
+    try:
+        from_disk = second.call(lambda: [restored(second.prefix_cache, q) for q in probes]).result()
+    finally:
+        second.stop()
+    third = AsyncEngine(loaded, EngineConfig(**disk)).start()
+    try:
+        (again, again_cached), = run(third, [turn2])
+    finally:
+        third.stop()
+    assert from_disk == in_memory
+    assert again == repeat and again_cached == repeat_cached == len(turn2) - 1
+
+
 def test_disk_tier_keeps_its_budget_and_drops_unreadable_files(tiny, tmp_path):
     loaded = tiny("llama-tiny")
     settings = CASES["llama-tiny"]

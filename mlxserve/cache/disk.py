@@ -1,9 +1,12 @@
 """The cold tier: prefix-cache blocks as safetensors files, found again after a restart.
 
-Every full block the hot tier stores is also written here, one file per
-block named by its key and its parent's key (keys hash the model fingerprint,
-so models never mix; the parent in the name lets a lookup list a block's
-cached children without opening a file). Writing has two halves. The engine thread copies a block's arrays to host memory when it has
+Every block the hot tier stores (full blocks, and finished requests' partial
+last blocks) is also written here, one file per block named by its key and
+its parent's key (keys hash the model fingerprint, so models never mix; the
+parent in the name lets a lookup list a block's cached children without
+opening a file). A block whose missing layers are filled in later in memory
+(sliding-window KV, a recurrent state) is written again. Writing has two
+halves. The engine thread copies a block's arrays to host memory when it has
 nothing else to do (`copy_pending`, called from its idle loop), so a prefill
 never waits for it; a background thread writes the file (to a temporary name,
 then renamed, so a crash leaves no half file under a real name). Blocks wait
