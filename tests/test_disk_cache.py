@@ -144,3 +144,20 @@ def test_a_start_deletes_the_temporary_files_of_dead_writers_only(tmp_path):
     assert (mine.exists(), cut.exists(), elsewhere.exists(), stale.exists()) == (True, False, True, False)
     assert disk.stats()["abandoned_tmp"] == 2
     disk.close()
+
+
+def test_when_too_many_blocks_wait_the_newest_go_never_a_parent(tmp_path):
+    """Blocks are found only through their parents: when more wait than MAX_WAITING (an engine
+    that never idles), the newest are skipped, and so is a block whose parent is not written,
+    so no file on disk is an orphan that no lookup can reach."""
+    from mlxserve.cache.disk import MAX_WAITING
+
+    blocks = _chain(MAX_WAITING + 6)
+    orphan = Block(b"\x99" * 32, b"\x98" * 32, blocks[0].payload, 0, 4, token_ids=np.arange(4))
+    disk = DiskTier(tmp_path, 1 << 30)
+    for b in blocks + [orphan]:
+        disk.save(b)
+    disk.close()
+    on_disk = {bytes.fromhex(f.name.split(".")[0]) for f in tmp_path.glob("*.safetensors")}
+    assert on_disk == {b.hash for b in blocks[:MAX_WAITING]}
+    assert disk.stats()["skipped"] == 7

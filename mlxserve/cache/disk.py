@@ -11,7 +11,8 @@ nothing else to do (`copy_pending`, called from its idle loop), so a prefill
 never waits for it; a background thread writes the file (to a temporary name,
 then renamed, so a crash leaves no half file under a real name). Blocks wait
 at most `MAX_WAITING` deep: under load that never lets the engine idle, the
-oldest are skipped (counted), never the engine slowed. At start the index is
+newest are skipped (counted: a block is found only through its parent, which
+was noted before it), never the engine slowed. At start the index is
 rebuilt from the folder (a restart, or a crash, loses only what was not
 written yet) and the temporary files of writers that died are deleted.
 
@@ -79,7 +80,7 @@ class DiskTier:
         self.writes = 0
         self.evictions = 0
         self.faults = 0  # blocks that could not be copied or written
-        self.skipped = 0  # blocks never written: the engine was busy for MAX_WAITING blocks
+        self.skipped = 0  # blocks never written: the engine was busy for MAX_WAITING blocks, or their parent was
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # files deleted instead of served, by reason
         self.abandoned = 0  # temporary files of dead writers deleted at start
         self._warned = False
@@ -158,14 +159,18 @@ class DiskTier:
         key = block.hash
         if key in self._waiting:  # its payload is read when it is copied: the newest one
             return
-        if not update:
-            with self._lock:
-                if key in self._index or key in self._queued:
-                    return
-        self._waiting[key] = block
-        while len(self._waiting) > MAX_WAITING:
-            self._waiting.popitem(last=False)
+        parent = block.parent
+        with self._lock:
+            if not update and (key in self._index or key in self._queued):
+                return
+            # Reachable only through its parent: a chain's blocks are noted parent first, so when
+            # too many wait the newest go, and a block whose parent went (or was never written)
+            # goes too; the oldest going would leave every later block of a chain an orphan.
+            reachable = parent is None or parent in self._index or parent in self._queued
+        if len(self._waiting) >= MAX_WAITING or not (reachable or parent in self._waiting):
             self.skipped += 1
+            return
+        self._waiting[key] = block
 
     @property
     def has_waiting(self) -> bool:
