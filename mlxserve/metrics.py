@@ -93,11 +93,19 @@ class PrefixCacheCollector:
                     ("prefix_cache_disk_reads", "Blocks read back from the disk tier.", disk.reads),
                     ("prefix_cache_disk_writes", "Blocks written to the disk tier.", disk.writes),
                     ("prefix_cache_disk_evictions", "Block files deleted to keep the disk budget.", disk.evictions),
-                    ("prefix_cache_disk_faults", "Disk-tier files that could not be written or read.", disk.faults),
+                    ("prefix_cache_disk_faults", "Blocks the disk tier could not copy or write.", disk.faults),
                     ("prefix_cache_disk_skipped", "Blocks never written: evicted from memory, or the engine "
                      "was busy for too many.", disk.skipped),
+                    ("prefix_cache_disk_abandoned_tmp", "Temporary files of writes cut short (a crash), "
+                     "deleted at start.", disk.abandoned),
                 ],
                 gauges=[("prefix_cache_disk_bytes", "Bytes of block files in the disk tier.", disk.bytes)])
+            dropped = CounterMetricFamily("prefix_cache_disk_dropped",
+                                          "Block files deleted instead of served: damaged (checksum mismatch), "
+                                          "unreadable, old_format (no checksum).", labels=["reason"])
+            for reason, n in list(disk.dropped.items()):  # a fixed set of keys: safe from this thread
+                dropped.add_metric([reason], n)
+            yield dropped
 
 
 class VisionCacheCollector:

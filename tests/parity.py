@@ -94,5 +94,6 @@ def check_restart_from_disk(loaded, settings, folder):
     finally:
         second.stop()
     assert cold == warm == ref
-    assert cold_cached == 0 and warm_cached >= 64 // bs * bs
+    # All but the last token, as from memory: the finished prompt's partial last block is on disk too.
+    assert cold_cached == 0 and warm_cached == len(prompt) - 1
     assert stats["disk"]["reads"] >= 64 // bs

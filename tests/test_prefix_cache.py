@@ -138,6 +138,57 @@ def test_disk_tier_serves_blocks_after_a_restart(tiny, quantizable, tmp_path, sh
     check_restart_from_disk(loaded, settings, tmp_path / "kv")
 
 
+# A plain model, a sliding-window one and a hybrid (Gated DeltaNet) one, at the default
+# checkpoint interval: recurrent states exist only where a pass stopped.
+RESTART_CASES = {"llama-tiny": CASES["llama-tiny"], "gemma3-tiny": CASES["gemma3-tiny"],
+                 "qwen3.5-tiny": dict(block_size=16, prefill_chunk_size=32)}
+
+
+@pytest.mark.parametrize("shape", list(RESTART_CASES))
+def test_a_restart_from_disk_hits_as_far_as_memory_did(tiny, tmp_path, shape):
+    """After a restart, every prefix of a conversation restores from disk as many tokens as memory
+    did before it, to the token: finished requests' partial last blocks are on disk, and so are
+    layers filled in later (sliding-window KV, recurrent states). A repeated prompt hits as far
+    as in memory, with the same greedy tokens.
+
+    Turn 1's blocks are written before turn 2 runs (as an idle server writes them), so what turn 2
+    and a branch parting inside turn 1's answer fill in must be written again."""
+    loaded, settings = tiny(shape), RESTART_CASES[shape]
+    disk = dict(disk_cache_dir=str(tmp_path / "kv"), **settings)
+    turn1 = prompt_of(50, 61)
+    first = AsyncEngine(loaded, EngineConfig(**disk)).start()
+    try:
+        (answer, _), = run(first, [turn1], greedy(40))
+        first.call(first.prefix_cache.disk.flush).result()
+        turn2 = turn1 + answer + prompt_of(10, 62)
+        branch = turn1 + answer[:20] + prompt_of(10, 63)
+        run(first, [turn2])
+        run(first, [branch])
+        (repeat, repeat_cached), = run(first, [turn2])
+        probes = [p[:n] + [7] for p in (turn2, branch) for n in range(1, len(p) + 1)]
+        in_memory = first.call(lambda: [first.prefix_cache.covered_tokens(q) for q in probes]).result()
+    finally:
+        first.stop()
+
+    def restored(pc, prompt):
+        match = pc.match(prompt)
+        pc.release(match)
+        return match.num_tokens
+
+    second = AsyncEngine(loaded, EngineConfig(**disk)).start()  # reads only: writes nothing new
+    try:
+        from_disk = second.call(lambda: [restored(second.prefix_cache, q) for q in probes]).result()
+    finally:
+        second.stop()
+    third = AsyncEngine(loaded, EngineConfig(**disk)).start()
+    try:
+        (again, again_cached), = run(third, [turn2])
+    finally:
+        third.stop()
+    assert from_disk == in_memory
+    assert again == repeat and again_cached == repeat_cached == len(turn2) - 1
+
+
 def test_disk_tier_keeps_its_budget_and_drops_unreadable_files(tiny, tmp_path):
     loaded = tiny("llama-tiny")
     settings = CASES["llama-tiny"]
@@ -175,7 +226,73 @@ def test_disk_tier_keeps_its_budget_and_drops_unreadable_files(tiny, tmp_path):
         stats = asyncio.run(engine.cache_stats())["prefix_cache"]["disk"]
     finally:
         engine.stop()
-    assert got == ref and cached == 0 and stats["faults"] >= 1
+    assert got == ref and cached == 0 and stats["dropped"]["unreadable"] >= 1
+
+
+def _file_holding(folder, tokens):
+    """The block file on disk whose tokens are `tokens`."""
+    from mlxserve.cache.blockfile import peek_block
+
+    found = [f for f in folder.glob("*.safetensors") if peek_block(f)["token_ids"] == list(tokens)]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _flip_a_data_byte(path):
+    """Flip one byte in the middle of a safetensors file's tensor data."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    middle = (start + len(data)) // 2
+    data[middle] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_disk_tier_never_serves_a_damaged_block(tiny, tmp_path):
+    """One flipped bit in a block file's KV: a fresh engine on that folder serves the blocks before
+    it and computes the rest, with the uncached tokens; the file is deleted and counted (stats,
+    Prometheus, and as the miss's reason when it was the prompt's first block)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mlxserve.cache.blockfile import read_block
+    from mlxserve.metrics import Metrics
+
+    loaded = tiny("llama-tiny")
+    settings = CASES["llama-tiny"]
+    folder = tmp_path / "kv"
+    prompts = [prompt_of(70, 41), prompt_of(70, 42)]
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
+    try:
+        refs = [tokens for tokens, _ in run(off, prompts)]
+    finally:
+        off.stop()
+    engine = AsyncEngine(loaded, EngineConfig(disk_cache_dir=str(folder), **settings)).start()
+    try:
+        run(engine, prompts)
+    finally:
+        engine.stop()
+    damaged = [_file_holding(folder, prompts[0][16:32]), _file_holding(folder, prompts[1][:16])]
+    for f in damaged:
+        _flip_a_data_byte(f)
+    damaged_bytes = [f.read_bytes() for f in damaged]
+    engine = AsyncEngine(loaded, EngineConfig(disk_cache_dir=str(folder), **settings)).start()
+    try:
+        got = [run(engine, [p])[0] for p in prompts]
+        stats = asyncio.run(engine.cache_stats())["prefix_cache"]
+        families = {f.name: f for f in text_string_to_metric_families(Metrics(engine).render().decode())}
+    finally:
+        engine.stop()
+    assert [tokens for tokens, _ in got] == refs
+    # The first prompt keeps its first block (read back) and computes from the damaged second;
+    # the second prompt's first block is damaged: a miss, for that reason.
+    assert [cached for _, cached in got] == [16, 0]
+    assert stats["misses"]["damaged"] == 1
+    assert stats["disk"]["dropped"] == {"damaged": 2, "unreadable": 0, "old_format": 0}
+    dropped = {s.labels["reason"]: s.value for s in families["prefix_cache_disk_dropped"].samples}
+    assert dropped == {"damaged": 2, "unreadable": 0, "old_format": 0}
+    # The damaged files are gone: the blocks were computed again and written anew, sound.
+    for f, bad in zip(damaged, damaged_bytes):
+        assert f.read_bytes() != bad
+        read_block(f)
 
 
 def test_disk_tier_refuses_a_folder_it_cannot_write(tiny, tmp_path):

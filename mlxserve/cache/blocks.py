@@ -115,3 +115,26 @@ def content_key(token_ids, block_size: int, extra_keys=None) -> bytes | None:
     h.update(tokens[:block_size].tobytes())
     h.update(_encode(tuple(extra) if extra else ()))
     return h.digest()
+
+
+def block_key(token_ids, block_size: int, *, fingerprint: str, extra=None, parent: bytes | None = None) -> bytes:
+    """The key a block holding `token_ids` after `parent` gets: a full block's chained key,
+    or a partial block's `tail_key`."""
+    if len(token_ids) == block_size:
+        return hash_blocks(token_ids, block_size, fingerprint=fingerprint, extra_keys=[extra], parent=parent)[0]
+    return tail_key(parent, token_ids, fingerprint=fingerprint, extra=extra)
+
+
+def overlap(tokens: np.ndarray, extra, rest: np.ndarray, rest_extra) -> int:
+    """How many leading tokens of `rest` (with media `rest_extra`) a block holding `tokens`
+    (with media `extra`) can serve: their common run, cut where the media in it differ
+    (equal placeholder tokens stand for equal pixels only when the images are too)."""
+    n = min(len(tokens), len(rest))
+    differ = np.flatnonzero(tokens[:n] != rest[:n])
+    n = int(differ[0]) if len(differ) else n
+
+    def starting_before(keys):  # media are (hash, offset) pairs
+        return {k for k in keys or () if k[1] < n}
+
+    differ = starting_before(extra) ^ starting_before(rest_extra)
+    return min([n] + [max(0, k[1]) for k in differ])

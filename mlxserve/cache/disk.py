@@ -1,47 +1,60 @@
 """The cold tier: prefix-cache blocks as safetensors files, found again after a restart.
 
-Every full block the hot tier stores is also written here, one file per block
-named by its key (keys hash the model fingerprint, so models never mix).
-Writing has two halves. The engine thread copies a block's arrays to host
-memory when it has nothing else to do (`copy_pending`, called from its idle
-loop), so a prefill never waits for it; a background thread writes the file
-(to a temporary name, then renamed, so a crash leaves no half file under a
-real name). Blocks wait at most `MAX_WAITING` deep: under load that never
-lets the engine idle, the oldest are skipped (counted), never the engine
-slowed. At start the index is rebuilt from the folder, so a restart, or a
-crash, loses only what was not written yet.
+Every block the hot tier stores (full blocks, and finished requests' partial
+last blocks) is also written here, one file per block named by its key and
+its parent's key (keys hash the model fingerprint, so models never mix; the
+parent in the name lets a lookup list a block's cached children without
+opening a file). A block whose missing layers are filled in later in memory
+(sliding-window KV, a recurrent state) is written again. Writing has two
+halves. The engine thread copies a block's arrays to host memory when it has
+nothing else to do (`copy_pending`, called from its idle loop), so a prefill
+never waits for it; a background thread writes the file (to a temporary name,
+then renamed, so a crash leaves no half file under a real name). Blocks wait
+at most `MAX_WAITING` deep: under load that never lets the engine idle, the
+newest are skipped (counted: a block is found only through its parent, which
+was noted before it), never the engine slowed. At start the index is
+rebuilt from the folder (a restart, or a crash, loses only what was not
+written yet) and the temporary files of writers that died are deleted.
 
 A prefix lookup that runs past the hot tier's blocks reads the rest of the
 chain from here back into the hot tier. Bounded in bytes: the least recently
 used files go first (use is a file's modification time, so the order
-survives restarts). A file that cannot be parsed is deleted and counted; the
-request runs with the blocks before it.
+survives restarts). Every file carries a checksum (cache/blockfile.py) that a
+read checks: a file that fails it, cannot be parsed or predates checksums is
+deleted and counted by reason (`dropped`), and the request runs with the
+blocks before it.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
+import itertools
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
-from mlxserve.cache.layers import KV, Nested, Payload, QuantizedKV, State, _quantized_rows, _row
+from mlxserve.cache.blockfile import DROP_REASONS, BadBlockFile, decode_payload, peek_block, read_block, to_host
+from mlxserve.cache.blockfile import write_block
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
-FORMAT = "mlxserve-block-2"
+ROOT = "root"  # the parent part of a prompt's first block's file name
 MAX_WAITING = 64  # blocks stored in memory, not yet copied for writing
 MAX_QUEUED = 16  # copied blocks waiting for the writer thread (host memory held)
-STALE_TMP_S = 600  # a temporary file this old was left by a write that died
+STALE_TMP_S = 600  # a temporary file this old was left by a write that died (another host's too)
+PEEKS = 4096  # tokens of files read from their headers, kept to choose partial matches
+# Temporary files name their writer (host, pid), so a start deletes a dead writer's at once
+# and never a live one's: a folder may be shared by servers, on this host or others.
+_HOST = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
 
 
 class DiskTier:
@@ -49,22 +62,27 @@ class DiskTier:
         self.folder = Path(folder).expanduser()
         try:  # fail at start, with the reason, rather than on every block
             self.folder.mkdir(parents=True, exist_ok=True)
-            probe = self.folder / f".write-test-{uuid.uuid4().hex}.tmp"
+            probe = self.folder / _tmp_name(".write-test")
             probe.write_bytes(b"ok")
             probe.unlink()
         except OSError as e:
             raise ValueError(f"disk cache folder {str(self.folder)!r} cannot be written: {e}") from None
         self.budget = int(budget_bytes)
-        self._lock = threading.Lock()  # the index and counters: the engine thread and the writer share them
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recently used first
+        # The index, children, peeks and counters: the engine thread and the writer share them.
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, tuple[int, bytes | None]] = OrderedDict()  # key -> (file bytes, parent), LRU first
+        self._children: dict[bytes | None, OrderedDict[bytes, None]] = {}  # parent -> keys, least recently used first
+        self._peeks: OrderedDict[bytes, tuple] = OrderedDict()  # key -> (token ids, extra) from its header
         self._waiting: OrderedDict[bytes, object] = OrderedDict()  # blocks to copy (engine thread only)
         self._queued: set[bytes] = set()  # copied, not written yet
         self.bytes = 0
         self.reads = 0
         self.writes = 0
         self.evictions = 0
-        self.faults = 0
-        self.skipped = 0  # blocks never written: the engine was busy for MAX_WAITING blocks
+        self.faults = 0  # blocks that could not be copied or written
+        self.skipped = 0  # blocks never written: the engine was busy for MAX_WAITING blocks, or their parent was
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)  # files deleted instead of served, by reason
+        self.abandoned = 0  # temporary files of dead writers deleted at start
         self._warned = False
         self._scan()
         self._queue: queue.Queue = queue.Queue(MAX_QUEUED)
@@ -72,28 +90,54 @@ class DiskTier:
         self._writer.start()
 
     def _scan(self) -> None:
-        for tmp in self.folder.glob("*.tmp"):  # writes cut short (not another process's, in flight)
-            try:
-                if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
-                    tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+        for tmp in self.folder.glob("*.tmp"):
+            if _abandoned(tmp):
+                tmp.unlink(missing_ok=True)
+                self.abandoned += 1
         files = []
         for path in self.folder.glob("*" + SUFFIX):
+            name = _parse_name(path.name)
             try:
-                key = bytes.fromhex(path.name[: -len(SUFFIX)])
-                st = path.stat()
-            except (ValueError, OSError):
+                if name == "old":  # no checksum: it cannot be told from a damaged one (README)
+                    path.unlink()
+                    self.dropped["old_format"] += 1
+                elif name is not None:
+                    files.append((path.stat().st_mtime, *name, path.stat().st_size))
+            except OSError:
                 continue
-            files.append((st.st_mtime, key, st.st_size))
-        for _, key, size in sorted(files):
-            self._index[key] = size
-            self.bytes += size
         with self._lock:
+            for _, key, parent, size in sorted(files, key=lambda f: f[0]):
+                self._add(key, parent, size)
             self._evict_over_budget()
 
-    def _path(self, key: bytes) -> Path:
-        return self.folder / (key.hex() + SUFFIX)
+    def _path(self, key: bytes, parent: bytes | None) -> Path:
+        return self.folder / f"{key.hex()}.{parent.hex() if parent is not None else ROOT}{SUFFIX}"
+
+    def _add(self, key: bytes, parent: bytes | None, size: int) -> None:
+        """Index a written file, as the most recently used (lock held)."""
+        old = self._index.pop(key, None)
+        if old is not None:  # written again (a block filled in later)
+            self.bytes -= old[0]
+        self._index[key] = (size, parent)
+        self.bytes += size
+        siblings = self._children.setdefault(parent, OrderedDict())
+        siblings[key] = None
+        siblings.move_to_end(key)
+
+    def _remove(self, key: bytes) -> Path | None:
+        """Forget a file; its path, for the caller to delete (lock held)."""
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return None
+        size, parent = entry
+        self.bytes -= size
+        siblings = self._children.get(parent)
+        if siblings is not None:
+            siblings.pop(key, None)
+            if not siblings:
+                del self._children[parent]
+        self._peeks.pop(key, None)
+        return self._path(key, parent)
 
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
@@ -103,20 +147,30 @@ class DiskTier:
         with self._lock:
             return len(self._index)
 
+    @property
+    def drops(self) -> int:
+        return sum(self.dropped.values())
+
     # ---- write: save (engine thread), copy_pending (engine thread, idle), the writer thread ----
 
-    def save(self, block) -> None:
-        """Note a hot-tier block for writing (a no-op if it is on disk or on its way)."""
+    def save(self, block, update: bool = False) -> None:
+        """Note a hot-tier block for writing: a no-op if it is on disk or on its way, unless
+        `update` (its payload has gained layers: the file must be written again)."""
         key = block.hash
+        if key in self._waiting:  # its payload is read when it is copied: the newest one
+            return
+        parent = block.parent
         with self._lock:
-            if key in self._index or key in self._queued:
+            if not update and (key in self._index or key in self._queued):
                 return
-        if key in self._waiting:
+            # Reachable only through its parent: a chain's blocks are noted parent first, so when
+            # too many wait the newest go, and a block whose parent went (or was never written)
+            # goes too; the oldest going would leave every later block of a chain an orphan.
+            reachable = parent is None or parent in self._index or parent in self._queued
+        if len(self._waiting) >= MAX_WAITING or not (reachable or parent in self._waiting):
+            self.skipped += 1
             return
         self._waiting[key] = block
-        while len(self._waiting) > MAX_WAITING:
-            self._waiting.popitem(last=False)
-            self.skipped += 1
 
     @property
     def has_waiting(self) -> bool:
@@ -134,13 +188,13 @@ class DiskTier:
                 self.skipped += 1
                 continue
             try:
-                host, meta = _to_host(b)
+                host, meta = to_host(b)
             except Exception as e:  # noqa: BLE001 - never the engine's failure
                 self._fail("copy", e)
                 continue
             with self._lock:
                 self._queued.add(key)
-            self._queue.put((key, host, meta))
+            self._queue.put((key, b.parent, host, meta))
             copied += 1
         return copied
 
@@ -156,21 +210,19 @@ class DiskTier:
             if job is None:  # close()
                 self._queue.task_done()
                 return
-            key, host, meta = job
-            path = self._path(key)
-            tmp = self.folder / f"{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+            key, parent, host, meta = job
+            tmp = self.folder / _tmp_name(key.hex())
             try:
-                _write_safetensors(tmp, host, meta)
-                os.replace(tmp, path)
-                size = path.stat().st_size
+                write_block(tmp, host, meta)
+                size = tmp.stat().st_size
+                if size > self.budget:
+                    tmp.unlink()
+                    continue
+                os.replace(tmp, self._path(key, parent))
                 with self._lock:
-                    if size > self.budget:
-                        path.unlink(missing_ok=True)
-                    else:
-                        self._index[key] = size
-                        self.bytes += size
-                        self.writes += 1
-                        self._evict_over_budget()
+                    self._add(key, parent, size)
+                    self.writes += 1
+                    self._evict_over_budget()
             except Exception as e:  # noqa: BLE001 - a full disk must not stop the server
                 try:
                     tmp.unlink(missing_ok=True)
@@ -184,10 +236,8 @@ class DiskTier:
 
     def _evict_over_budget(self) -> None:
         while self._index and self.bytes > self.budget:
-            key, size = self._index.popitem(last=False)
-            self.bytes -= size
+            self._remove(next(iter(self._index))).unlink(missing_ok=True)
             self.evictions += 1
-            self._path(key).unlink(missing_ok=True)
 
     def flush(self) -> None:
         """Write every block noted so far (engine thread)."""
@@ -204,41 +254,67 @@ class DiskTier:
 
     # ---- read (engine thread) ----
 
+    def children(self, parent: bytes | None, limit: int) -> list[bytes]:
+        """Keys of the `limit` most recently used files whose parent is `parent` (None: first blocks)."""
+        with self._lock:
+            return list(itertools.islice(reversed(self._children.get(parent, {})), limit))
+
+    def peek(self, key: bytes):
+        """(token ids, extra) of a file from its header, unchecked (`load` checks), or None."""
+        with self._lock:
+            got, entry = self._peeks.get(key), self._index.get(key)
+        if got is not None or entry is None:
+            return got
+        try:
+            meta = peek_block(self._path(key, entry[1]))
+            got = np.asarray(meta["token_ids"], dtype=np.int32), _extra(meta["extra"])
+        except Exception:  # noqa: BLE001 - a read of it will say why, and drop it
+            return None
+        with self._lock:
+            if key in self._index:
+                self._peeks[key] = got
+                while len(self._peeks) > PEEKS:
+                    self._peeks.popitem(last=False)
+        return got
+
     def load(self, key: bytes):
         """(parent, payload, num_tokens, token_ids, extra) of a block on disk, or None."""
         with self._lock:
-            if key not in self._index:
+            entry = self._index.get(key)
+            if entry is None:
                 return None
+            parent = entry[1]
             self._index.move_to_end(key)
-        path = self._path(key)
+            self._children[parent].move_to_end(key)
+        path = self._path(key, parent)
         try:
-            arrays, file_meta = mx.load(str(path), return_metadata=True)
-            # Read now: mx.load is lazy and keeps the file open until the arrays are
-            # evaluated, which a restore may never do for some layers.
-            mx.eval(list(arrays.values()))
-            meta = json.loads(file_meta["mlxserve"])
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"unknown format {meta.get('format')!r}")
-            payload = _decode_payload(arrays, meta)
-            parent = bytes.fromhex(meta["parent"]) if meta["parent"] else None
-            extra = tuple(tuple(e) for e in meta["extra"]) if meta["extra"] else None
+            arrays, meta = read_block(path)
+            if meta.get("key") != key.hex() or meta.get("parent") != (parent.hex() if parent else ""):
+                raise BadBlockFile("unreadable", "its key or parent is not the one its name says")
+            payload = decode_payload(arrays, meta)
             token_ids = np.asarray(meta["token_ids"], dtype=np.int32)
             num_tokens = int(meta["num_tokens"])
-        except Exception as e:  # noqa: BLE001 - the request runs uncached from here
-            if not _can_open(path):  # gone (evicted meanwhile) or out of file handles: not the file's fault
-                log.debug("disk cache: cannot read %s: %s", path.name, e)
-                return None
-            log.warning("disk cache: dropping unreadable %s: %s", path.name, e)
+        except FileNotFoundError:  # deleted by hand (or another server's eviction): forget it
             with self._lock:
-                self.faults += 1
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self.bytes -= size
+                self._remove(key)
+            return None
+        except OSError as e:  # out of file handles, say: not the file's fault
+            log.debug("disk cache: cannot read %s: %s", path.name, e)
+            return None
+        except Exception as e:  # noqa: BLE001 - the request runs uncached from here
+            reason = e.reason if isinstance(e, BadBlockFile) else "unreadable"
+            log.warning("disk cache: dropping %s (%s): %s", path.name, reason, e)
+            with self._lock:
+                self.dropped[reason] += 1
+                self._remove(key)
             path.unlink(missing_ok=True)
             return None
-        os.utime(path)  # recently used, across restarts too
+        try:
+            os.utime(path)  # recently used, across restarts too
+        except OSError:
+            pass
         self.reads += 1
-        return parent, payload, num_tokens, token_ids, extra
+        return parent, payload, num_tokens, token_ids, _extra(meta["extra"])
 
     def clear(self) -> None:
         """Delete every file, and forget what was waiting to be written (engine thread)."""
@@ -247,142 +323,59 @@ class DiskTier:
             self._queue.join()
         with self._lock:
             for key in list(self._index):
-                self._path(key).unlink(missing_ok=True)
-            self._index.clear()
-            self.bytes = 0
+                self._remove(key).unlink(missing_ok=True)
 
     def stats(self) -> dict:
         with self._lock:
             return {"folder": str(self.folder), "blocks": len(self._index), "bytes": self.bytes,
                     "budget": self.budget, "reads": self.reads, "writes": self.writes,
                     "evictions": self.evictions, "faults": self.faults, "skipped": self.skipped,
-                    "waiting": len(self._waiting)}
+                    "waiting": len(self._waiting), "dropped": dict(self.dropped),
+                    "abandoned_tmp": self.abandoned}
 
 
-def _can_open(path: Path) -> bool:
+def _extra(extra):
+    return tuple(tuple(e) for e in extra) if extra else None
+
+
+def _tmp_name(stem: str) -> str:
+    return f"{stem}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+
+
+def _abandoned(path: Path) -> bool:
+    """Whether a temporary file's write can no longer finish: its writer, on this host, has
+    exited (a crash: nothing else leaves one), or it is STALE_TMP_S old."""
+    parts = path.name.split(".")
     try:
-        with open(path, "rb"):
+        if len(parts) >= 5 and parts[-4] == _HOST and not _alive(int(parts[-3])):
             return True
-    except OSError:
+        return time.time() - path.stat().st_mtime > STALE_TMP_S
+    except (ValueError, OSError):
         return False
 
 
-def _to_host(block) -> tuple[dict, dict]:
-    """A block's arrays as numpy (bfloat16 as its uint16 bits: numpy has no bfloat16) and its metadata."""
-    arrays, layers = _encode_payload(block.payload)
-    meta = {
-        "format": FORMAT,
-        "parent": block.parent.hex() if block.parent is not None else "",
-        "num_tokens": block.num_tokens,
-        "token_ids": [] if block.token_ids is None else np.asarray(block.token_ids).tolist(),
-        "extra": [list(e) for e in block.extra] if block.extra else None,
-        "layers": layers,
-        "stacks": len(getattr(block.payload, "stacks", ())),
-        "stack_layers": list(getattr(block.payload, "stack_layers", ())),
-        "bfloat16": [],  # written as BF16 (carried as uint16 bits in numpy)
-    }
-    host = {}
-    for name, a in arrays.items():
-        if a.dtype == mx.bfloat16:
-            meta["bfloat16"].append(name)
-            a = a.view(mx.uint16)
-        host[name] = np.array(a)
-    return host, meta
+def _alive(pid: int) -> bool:
+    if pid <= 0:  # 0 and negatives would name process groups
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
-_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "uint32": "U32", "int32": "I32",
-           "uint16": "U16", "int16": "I16", "uint8": "U8", "int8": "I8", "int64": "I64", "uint64": "U64",
-           "bool": "BOOL"}
-
-
-def _write_safetensors(path: Path, host: dict, meta: dict) -> None:
-    """A safetensors file with bfloat16 arrays stored as BF16 (safetensors' numpy writer cannot:
-    numpy has no bfloat16), so mx.load gives them back as they were, with no conversion."""
-    bf16 = set(meta["bfloat16"])
-    header = {"__metadata__": {"mlxserve": json.dumps(meta)}}
-    offset = 0
-    for name, a in host.items():
-        header[name] = {"dtype": "BF16" if name in bf16 else _DTYPES[a.dtype.name], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for a in host.values():
-            f.write(np.ascontiguousarray(a).data)
-
-
-# ---- a payload as named arrays plus a JSON description ----
-
-
-def _encode_payload(payload) -> tuple[dict, list]:
-    arrays = {}
-    stacked = set(getattr(payload, "stack_layers", ()))
-    for n, a in enumerate(getattr(payload, "stacks", ())):
-        arrays[f"stack{n}"] = a
-    layers = []
-    for i, e in enumerate(payload):
-        if i in stacked:
-            q = isinstance(e, QuantizedKV)
-            layers.append({"stacked": True, "group_size": e.group_size if q else None, "bits": e.bits if q else None})
-        else:
-            layers.append(_encode_entry(e, str(i), arrays))
-    return arrays, layers
-
-
-def _encode_entry(e, name: str, arrays: dict):
-    if e is None:
-        return None
-    if isinstance(e, KV):
-        arrays[name + ".k"], arrays[name + ".v"] = e.keys, e.values
-        return {"kv": True}
-    if isinstance(e, QuantizedKV):
-        for j, a in enumerate((*e.keys, *e.values)):
-            arrays[f"{name}.q{j}"] = a
-        return {"qkv": True, "group_size": e.group_size, "bits": e.bits}
-    if isinstance(e, State):
-        present = []
-        for j, a in enumerate(e.arrays):
-            present.append(a is not None)
-            if a is not None:
-                arrays[f"{name}.s{j}"] = a
-        return {"state": present}
-    if isinstance(e, Nested):
-        return {"nested": [_encode_entry(p, f"{name}.{j}", arrays) for j, p in enumerate(e.parts)]}
-    raise TypeError(f"cannot write a {type(e).__name__} entry")
-
-
-def _decode_payload(arrays: dict, meta: dict) -> Payload:
-    stacks = tuple(arrays[f"stack{n}"] for n in range(meta["stacks"]))
-    stack_layers = tuple(meta["stack_layers"])
-    n = len(stack_layers)
-    payload = Payload()
-    for i, spec in enumerate(meta["layers"]):
-        if spec is not None and spec.get("stacked"):
-            j = stack_layers.index(i)
-            if spec["bits"] is None:
-                payload.append(KV(_row(stacks[0], j), _row(stacks[0], n + j)))
-            else:
-                like = QuantizedKV((), (), spec["group_size"], spec["bits"])
-                payload.append(_quantized_rows(stacks, n, j, like))
-        else:
-            payload.append(_decode_entry(spec, str(i), arrays))
-    payload.stacks, payload.stack_layers = stacks, stack_layers
-    return payload
-
-
-def _decode_entry(spec, name: str, arrays: dict):
-    if spec is None:
-        return None
-    if "kv" in spec:
-        return KV(arrays[name + ".k"], arrays[name + ".v"])
-    if "qkv" in spec:
-        q = [arrays[f"{name}.q{j}"] for j in range(6)]
-        return QuantizedKV(tuple(q[:3]), tuple(q[3:]), spec["group_size"], spec["bits"])
-    if "state" in spec:
-        return State(tuple(arrays[f"{name}.s{j}"] if here else None for j, here in enumerate(spec["state"])))
-    if "nested" in spec:
-        return Nested(tuple(_decode_entry(p, f"{name}.{j}", arrays) for j, p in enumerate(spec["nested"])))
-    raise ValueError(f"unknown entry {spec}")
+def _parse_name(name: str):
+    """(key, parent) of a block file's name; "old" for the name of a block written before
+    checksums (its key alone); None for a file that is not a block."""
+    parts = name[: -len(SUFFIX)].split(".")
+    try:
+        if len(parts) == 1 and len(parts[0]) == 64:
+            bytes.fromhex(parts[0])
+            return "old"
+        if len(parts) == 2 and len(parts[0]) == 64 and (parts[1] == ROOT or len(parts[1]) == 64):
+            return bytes.fromhex(parts[0]), None if parts[1] == ROOT else bytes.fromhex(parts[1])
+    except ValueError:
+        pass
+    return None

@@ -27,7 +27,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.cache.blocks import content_key, hash_blocks, tail_key
+from mlxserve.cache.blocks import block_key, content_key, hash_blocks, overlap
+from mlxserve.cache.from_disk import read_chain, read_children
 from mlxserve.cache.layers import (
     KIND_NAMES,
     describe_specs,
@@ -52,8 +53,9 @@ log = logging.getLogger(__name__)
 # no_match: never stored; evicted: stored, pushed out by the budget; model_mismatch:
 # stored under another model fingerprint; too_short: no full block before the
 # last token; unrestorable: blocks are cached but lack a layer's payload where a
-# restore would read it; unsupported: the model has cache layers blocks cannot hold.
-MISS_REASONS = ("no_match", "evicted", "model_mismatch", "too_short", "unrestorable", "unsupported")
+# restore would read it; unsupported: the model has cache layers blocks cannot hold;
+# damaged: the first block was on disk, but its file failed its check (and is gone).
+MISS_REASONS = ("no_match", "evicted", "model_mismatch", "too_short", "unrestorable", "unsupported", "damaged")
 
 # Cached children of the last matched block compared token by token with the
 # rest of the prompt (the most recently stored or used ones).
@@ -177,6 +179,7 @@ class PrefixCache:
         """The longest restorable cached prefix of at most `usable` tokens."""
         bs = self.block_size
         hashes = hash_blocks(token_ids, bs, fingerprint=self.fingerprint, extra_keys=extra_keys)
+        drops = self.disk.drops if self.disk is not None else 0
         specs = self.specs
         has_state = self._has_state(specs)
         if has_state:  # recurrent states exist at block ends only
@@ -194,8 +197,12 @@ class PrefixCache:
             start = found * bs if has_state else num
             keep, tail = -(-num // bs), None
             if start % bs == 0 and start < usable:
-                for child, n in self._partial_children(hashes[start // bs - 1] if start else None,
-                                                       token_ids[start:usable], _extra_at(extra_keys, start // bs)):
+                parent, rest = hashes[start // bs - 1] if start else None, token_ids[start:usable]
+                extra = _extra_at(extra_keys, start // bs)
+                children = self._partial_children(parent, rest, extra)
+                if from_disk and self._read_children(parent, rest, extra, children, has_state):
+                    children = self._partial_children(parent, rest, extra)
+                for child, n in children:
                     if has_state and n != len(child.token_ids):
                         continue
                     head = blocks[:start // bs]
@@ -212,6 +219,8 @@ class PrefixCache:
             self.pool.release(blocks)
             raise
         if num == 0:
+            if found == 0 and self.disk is not None and self.disk.drops > drops:
+                return PrefixMatch([], 0, hashes, miss="damaged")
             return PrefixMatch([], 0, hashes, miss=self._miss_reason(token_ids, extra_keys, hashes, best, found))
         return PrefixMatch(blocks, num, hashes, partial=partial)
 
@@ -222,22 +231,24 @@ class PrefixCache:
         if self.disk is None or not from_disk:
             return blocks
         try:
-            for key in hashes[len(blocks):]:
-                if key not in self.disk:
-                    break
-                got = self.disk.load(key)
-                if got is None:
-                    break
-                parent, payload, num_tokens, token_ids, extra = got
-                if parent != (blocks[-1].hash if blocks else None):
-                    break
-                if self.pool.store(key, parent, payload, num_tokens=num_tokens, token_ids=token_ids,
-                                   extra=extra) is None:
-                    break  # no room in the hot tier
-                blocks += self.pool.lookup([key])
+            return read_chain(self.pool, self.disk, hashes, blocks)
         except Exception as e:  # noqa: BLE001 - the blocks found so far still serve
             self._fault("disk", e)
         return blocks
+
+    def _read_children(self, parent, rest, extra, children, has_state: bool) -> int:
+        """Read from disk the children of `parent` that continue `rest` further than the
+        hot tier's `children` do; how many."""
+        if self.disk is None:
+            return 0
+        try:
+            have = max((n for c, n in children if not has_state or n == len(c.token_ids)), default=0)
+            return read_children(self.pool, self.disk, parent, rest, extra, have=have,
+                                 limit=PARTIAL_CANDIDATES, block_size=self.block_size,
+                                 fingerprint=self.fingerprint, whole_only=has_state)
+        except Exception as e:  # noqa: BLE001 - memory's children still serve
+            self._fault("disk", e)
+            return 0
 
     def covered_tokens(self, token_ids, extra_keys=None) -> int:
         """How many leading tokens of `token_ids` a match would restore now from memory.
@@ -322,12 +333,8 @@ class PrefixCache:
         Blocks of every model share the pool, and first blocks share one parent
         (none); a later block's parent key already commits to the fingerprint.
         """
-        tokens, bs = block.token_ids, self.block_size
-        if len(tokens) == bs:
-            key = hash_blocks(tokens, bs, fingerprint=self.fingerprint, extra_keys=[block.extra])[0]
-        else:
-            key = tail_key(None, tokens, fingerprint=self.fingerprint, extra=block.extra)
-        return key == block.hash
+        return block_key(block.token_ids, self.block_size, fingerprint=self.fingerprint,
+                         extra=block.extra) == block.hash
 
     def _partial_children(self, parent, rest, extra) -> list:
         """[(block, n)]: the cached children of `parent` whose first n >= 1 tokens (and the
@@ -338,7 +345,7 @@ class PrefixCache:
         for child in self.pool.children(parent, PARTIAL_CANDIDATES):
             if child.token_ids is None or (parent is None and not self._keyed_here(child)):
                 continue
-            n = _media_limit(child.extra, extra, _common_prefix(child.token_ids, rest))
+            n = overlap(child.token_ids, child.extra, rest, extra)
             if n > 0:
                 found.append((child, n))
         return sorted(found, key=lambda cn: -cn[1])
@@ -516,11 +523,13 @@ class PrefixCache:
         if parent is not None and parent not in self.pool:
             return 0
         extra = tuple(e for e in block_extra or () if e[1] < len(tokens)) or None  # media in the tail
-        key = tail_key(parent, tokens, fingerprint=self.fingerprint, extra=extra)
+        key = block_key(tokens, self.block_size, fingerprint=self.fingerprint, extra=extra, parent=parent)
         if key in self.pool:
             return 0
         stored = self.pool.store(key, parent, extract(), num_tokens=len(tokens),
                                  token_ids=np.asarray(tokens, dtype=np.int32), extra=extra)
+        if stored is not None and self.disk is not None:
+            self.disk.save(stored)  # a restarted server continues from it as this one does
         return int(stored is not None)
 
     def _fill(self, block, specs, k, upto_tokens, extract) -> int:
@@ -536,7 +545,11 @@ class PrefixCache:
         if not only:
             return 0
         merged = fill_missing(block.payload, extract(k * self.block_size, 1, only)[0])
-        return int(merged is not None and self.pool.update(block.hash, merged))
+        if merged is None or not self.pool.update(block.hash, merged):
+            return 0
+        if self.disk is not None:
+            self.disk.save(block, update=True)  # the file lacks what memory now has
+        return 1
 
     # ---- reporting ----
 
@@ -570,20 +583,3 @@ class PrefixCache:
 def _extra_at(extra_keys, j: int):
     """Block j's extra keys (its media), or None."""
     return extra_keys[j] if extra_keys and j < len(extra_keys) else None
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
-
-
-def _media_limit(a, b, n: int) -> int:
-    """The longest m <= n such that the media (extra keys: (hash, offset) pairs) in the
-    first m tokens of two blocks are the same: equal placeholder tokens stand for equal
-    pixels only when the images are too."""
-    def starting_before(keys):
-        return {k for k in keys or () if k[1] < n}
-
-    differ = starting_before(a) ^ starting_before(b)
-    return min([n] + [max(0, k[1]) for k in differ])
