@@ -71,7 +71,7 @@ def test_a_refused_request_is_an_error_unless_expected(server):
 
     args = soak_args()
     req = {"prompt": "hello there", "max_tokens": 4, "abort_after": None, "image": None, "reuse": False,
-           "repeat": False}
+           "repeat": False, "image_first": False}
 
     async def send(model, expected):
         async with httpx.AsyncClient(timeout=60) as client:
@@ -82,3 +82,33 @@ def test_a_refused_request_is_an_error_unless_expected(server):
     assert asyncio.run(send("no-such-model", {404}))["outcome"] == "refused"
     model = httpx.get(server.base_url + "/models").json()["data"][0]["id"]
     assert asyncio.run(send(model, set()))["outcome"] == "ok"
+
+
+def test_traffic_mixes_aborts_prefix_reuse_and_repeated_images():
+    from mlxserve.bench.soak import Traffic, png_data_url
+
+    args = soak_args("--prompt-len", "20-40", "--max-tokens", "8-16", "--abort-rate", "0.3")
+    traffic = Traffic(args, images=True)
+    reqs = [traffic.next() for _ in range(300)]
+    assert all(20 <= len(r["prompt"].split()) <= 40 and 8 <= r["max_tokens"] <= 16 for r in reqs)
+    aborted = [r for r in reqs if r["abort_after"] is not None]
+    assert 0.2 < len(aborted) / len(reqs) < 0.4 and all(1 <= r["abort_after"] < r["max_tokens"] for r in aborted)
+    reused = [i for i, r in enumerate(reqs) if r["reuse"]]
+    assert 0.1 < len(reused) / len(reqs) < 0.3
+    for i in reused:  # begins with (at least 15 words of) an earlier prompt
+        head = reqs[i]["prompt"].split()[:15]
+        assert any(q["prompt"].split()[:15] == head for q in reqs[:i])
+    images = [r for r in reqs if r["image"]]
+    repeats = [r for r in images if r["repeat"]]
+    assert 0.2 < len(images) / len(reqs) < 0.4 and 0.3 < len(repeats) / len(images) < 0.7
+    assert {r["image_first"] for r in images} == {True, False}
+    first_sent = {r["image"] for r in images if not r["repeat"]}
+    assert len(first_sent) == len(images) - len(repeats) and all(64 <= side <= 448 for side, _ in first_sent)
+    assert all(r["image"] in first_sent for r in repeats)  # a repeat sends an image sent before
+    side, seed = repeats[0]["image"]
+    url = png_data_url(side, seed)
+    assert url.startswith("data:image/png;base64,") and png_data_url.__wrapped__(side, seed) == url  # same bytes
+    # A text-only model gets no images, and the same seed sends the same requests.
+    assert not any(Traffic(args, images=False).next()["image"] for _ in range(50))
+    again = Traffic(args, images=True)
+    assert [again.next() for _ in range(300)] == reqs

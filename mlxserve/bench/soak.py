@@ -113,7 +113,7 @@ class Traffic:
         self.prompts.append(words)
         max_tokens = rng.randint(*self.max_tokens)
         abort_after = rng.randint(1, max_tokens - 1) if max_tokens > 1 and rng.random() < a.abort_rate else None
-        image, repeat = None, False
+        image, repeat, image_first = None, False, False
         if self.images and rng.random() < a.image_rate:
             if self.sent and rng.random() < a.image_repeat:
                 image, repeat = rng.choice(self.sent), True
@@ -121,8 +121,11 @@ class Traffic:
                 image = (rng.randint(*self.px), self.next_seed)
                 self.next_seed += 1
                 self.sent.append(image)
+            # Before the text, a repeat is a prefix-cache hit through the image; after it, the same
+            # picture under a new prefix needs its embeddings again (the vision cache, or the tower).
+            image_first = rng.random() < 0.5
         return {"prompt": " ".join(words), "reuse": reuse, "max_tokens": max_tokens, "abort_after": abort_after,
-                "image": image, "repeat": repeat}
+                "image": image, "repeat": repeat, "image_first": image_first}
 
 
 @functools.lru_cache(maxsize=64)  # the repeated ones are drawn from the last 32 sent
@@ -145,8 +148,8 @@ async def soak_request(client, url: str, args, model: str, req: dict, expected: 
     body = request_body(args, model, req["prompt"], req["max_tokens"])
     if req["image"]:
         image = await asyncio.to_thread(png_data_url, *req["image"])  # encoding a PNG takes ms: not on the loop
-        body["messages"][0]["content"] = [{"type": "image_url", "image_url": {"url": image}},
-                                          {"type": "text", "text": req["prompt"]}]
+        parts = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": req["prompt"]}]
+        body["messages"][0]["content"] = parts if req["image_first"] else parts[::-1]
     rec = {k: req[k] for k in ("max_tokens", "abort_after", "reuse", "repeat")}
     rec.update(image=req["image"] is not None, outcome="error", error="", chunks=0, ttft=None)
     start = rec["start"] = time.monotonic()

@@ -14,7 +14,8 @@ def markdown(result: dict, info: dict, command: str) -> str:
     v, t, s, after = result["verdict"], result["totals"], result["server"], result["after"]
     args = SimpleNamespace(**result["settings"])
     images = (f"{args.image_rate:.0%} with a synthetic PNG of {args.image_px} px ({args.image_repeat:.0%} of them "
-              "one sent before)" if result["images"] else "no images (a text-only model)")
+              "one sent before), before or after the text at random" if result["images"]
+              else "no images (a text-only model)")
     md = [report.header("Soak test", info, command),
           f"Server: {s.get('command') or s['url']}; model {s['model']}"
           + "".join(f"; {k} {s[k]}" for k in ("version", "backend", "device") if s.get(k))
