@@ -283,7 +283,8 @@ async def drain(client, root: str, seconds: float = 120.0) -> dict:
     return state
 
 
-async def soak(args, url: str, model: str, pid: int | None) -> dict:
+async def soak(args, url: str, model: str, pid: int | None, alive=None) -> dict:
+    """The run; `alive()`, for a server it started, says whether that process still runs."""
     import httpx
 
     root = url.rstrip("/").removesuffix("/v1")
@@ -308,9 +309,11 @@ async def soak(args, url: str, model: str, pid: int | None) -> dict:
                 rec["start"] -= t0
                 rec["end"] -= t0
                 done.append(rec)
-                if rec["outcome"] == "error" and rec["error"] not in seen_errors:
-                    seen_errors.add(rec["error"])
-                    print(f"  request failed: {rec['error']}", file=sys.stderr, flush=True)
+                if rec["outcome"] == "error":
+                    if rec["error"] not in seen_errors:
+                        seen_errors.add(rec["error"])
+                        print(f"  request failed: {rec['error']}", file=sys.stderr, flush=True)
+                    await asyncio.sleep(1)  # a server that refuses at once is not hammered into a flood of records
 
         seen = 0
 
@@ -321,10 +324,15 @@ async def soak(args, url: str, model: str, pid: int | None) -> dict:
 
         samples = [await take_sample(stats_client, root, pid, 0.0, ended)]  # the idle server, loaded
         streams = [asyncio.create_task(stream()) for _ in range(args.streams)]
+        exited = None
         for k in itertools.count(1):
             now = min(t0 + k * args.interval, deadline)
             await asyncio.sleep(max(0.0, now - time.monotonic()))
             samples.append(await take_sample(stats_client, root, pid, now - t0, ended))
+            if alive is not None and not alive():
+                exited = now - t0
+                print(f"  the server exited after {exited / 60:.1f} min: stopping", file=sys.stderr, flush=True)
+                break
             if now >= deadline:
                 break
         # Still running at the end (nothing ran between the last sample and here): cancelled, which
@@ -336,7 +344,7 @@ async def soak(args, url: str, model: str, pid: int | None) -> dict:
         duration = time.monotonic() - t0
         after = await drain(stats_client, root)
     return {"duration_s": duration, "samples": samples, "requests": done, "cut_at_end": cut, "after": after,
-            "images": traffic.images}
+            "images": traffic.images, "server_exited_at_s": exited}
 
 
 def totals(result: dict) -> dict:
@@ -376,6 +384,8 @@ def verdict(result: dict, args) -> dict:
         idle = after["running"] == 0 and after.get("waiting", 0) == 0 and not after.get("in_use_blocks")
     checks = {"RSS flat": memory["rss_bytes"]["flat"], "MLX active memory flat": memory["mlx_active_bytes"]["flat"],
               "no errors": tot["errors"] == 0, "engine idle after the run": idle}
+    if result["server_exited_at_s"] is not None:
+        checks["the server ran to the end"] = False
     failed = [k for k, v in checks.items() if v is False]
     unjudged = [k for k, v in checks.items() if v is None]
     outcome = "FAIL" if failed else "INCOMPLETE" if unjudged else "PASS"
@@ -458,7 +468,7 @@ def run(args) -> int:
         model, server = server_info(url, None, args.api_key)
         args.endpoint, args.ignore_eos = "chat", True  # for request_body: every request runs to its max_tokens
         print(f"soak: {args.streams} streams for {args.minutes:g} min against {url} ({model})", file=sys.stderr)
-        result = asyncio.run(soak(args, url, model, pid))
+        result = asyncio.run(soak(args, url, model, pid, alive=child and (lambda: child.proc.poll() is None)))
     finally:
         exit_code = child.stop() if child else None
     result["server"] = {"url": url, "model": model, **server, "pid": pid,
