@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shapes", help="List the named model shapes for --load-format dummy.")
     p.set_defaults(func=cmd_shapes)
 
-    p = sub.add_parser("bench", help="Benchmarks: engine, serve.")
+    p = sub.add_parser("bench", help="Benchmarks: engine, serve, prefix, multimodal, grammar, soak.")
     from mlxserve.bench import add_bench_parsers
 
     add_bench_parsers(p)

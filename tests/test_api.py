@@ -743,7 +743,10 @@ def test_prefix_cache_is_visible_in_usage_stats_and_metrics(client, http):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 256 <= cached < second.usage.prompt_tokens  # the shared system prompt (in whole blocks), not the question
 
-    stats = http.get("/v1/cache/stats").json()["prefix_cache"]
+    all_stats = http.get("/v1/cache/stats").json()
+    memory, stats = all_stats["mlx_memory"], all_stats["prefix_cache"]
+    # The weights and the cached blocks are MLX arrays, so MLX holds at least their bytes.
+    assert memory["peak_bytes"] >= memory["active_bytes"] > stats["bytes"] > 0 and memory["cache_bytes"] >= 0
     assert stats["enabled"] and stats["blocks"] > 0 and 0 < stats["bytes"] <= stats["budget"]
     assert stats["hit_tokens"] >= cached and set(stats["misses"]) >= {"no_match", "evicted", "model_mismatch", "too_short"}
 

@@ -42,7 +42,7 @@ def test_cli_generate_prints_a_completion():
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "chat", "convert", "bench engine",
-                                     "bench serve", "bench prefix"])
+                                     "bench serve", "bench prefix", "bench soak"])
 def test_cli_help_lists_the_settings(command):
     out = subprocess.run([sys.executable, "-m", "mlxserve.cli", *command.split(), "--help"],
                          capture_output=True, text=True, timeout=120)

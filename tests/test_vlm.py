@@ -205,6 +205,52 @@ def test_concurrent_questions_about_one_image_encode_it_once(tiny):
     assert vstats["misses"] == 1 and vstats["released"] == 1 and vstats["entries"] == 0
 
 
+def test_image_and_text_rows_join_each_others_batches(tiny):
+    """An image request joins a batch of text-only rows, then two text rows join it: each row's
+    M-RoPE delta must stay with its row (text rows hold none until one is needed; found by
+    `bench soak`: the batch lost rows' deltas and every step of it failed)."""
+    loaded = tiny("qwen2.5-vl-tiny")
+    # Prompts of different lengths: a batch prefilled with padding drops its padding state after,
+    # and with it the only record of its size a text row's empty delta had.
+    first = [chat_request(loaded, [("user", ["Count to ten, slowly" + ", please" * i])], max_tokens=40)
+             for i in range(3)]
+    image = chat_request(loaded, [("user", [picture(7), "Describe it."])], max_tokens=24)
+    late = [chat_request(loaded, [("user", ["Name rivers" + " and lakes" * i])], max_tokens=4) for i in range(2)]
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, vision_cache_memory="0")).start()
+    try:
+        refs = [run(off, fresh(r))[0][0] for r in first + [image] + late]
+    finally:
+        off.stop()
+
+    async def go(engine):
+        progress = []
+
+        async def tokens(req, tag):
+            out = []
+            async for step in engine.submit(fresh(req)):
+                out += step.new_token_ids
+                progress.append(tag)
+            return out
+
+        async def once(tag, n, tasks):  # until `tag` rows have streamed n tokens: they are in the decode batch
+            while progress.count(tag) < n and not any(t.done() for t in tasks):  # (done early: failed)
+                await asyncio.sleep(0.002)
+
+        texts = [asyncio.create_task(tokens(r, "text")) for r in first]
+        await once("text", 6, texts)
+        pictured = asyncio.create_task(tokens(image, "image"))
+        await once("image", 2, texts + [pictured])
+        later = [asyncio.create_task(tokens(r, "late")) for r in late]
+        return await asyncio.gather(*texts, pictured, *later)
+
+    engine = AsyncEngine(loaded, EngineConfig(prefix_cache=False)).start()
+    try:
+        outs = asyncio.run(go(engine))
+    finally:
+        engine.stop()
+    assert outs == refs
+
+
 def test_embeddings_stay_when_the_kv_was_not_cached(tiny):
     loaded = tiny("qwen2.5-vl-tiny")
     req = chat_request(loaded, [("user", [picture(6), "Describe it."])], max_tokens=2)

@@ -1,8 +1,8 @@
-"""Benchmarks: `mlxserve bench engine | serve | prefix | multimodal | grammar | crash`."""
+"""Benchmarks: `mlxserve bench engine | serve | prefix | multimodal | grammar | crash | soak`."""
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import crash, engine, grammar, multimodal, prefix, serve
+    from mlxserve.bench import crash, engine, grammar, multimodal, prefix, serve, soak
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
@@ -11,3 +11,4 @@ def add_bench_parsers(parser) -> None:
     multimodal.add_parser(sub)
     grammar.add_parser(sub)
     crash.add_parser(sub)
+    soak.add_parser(sub)

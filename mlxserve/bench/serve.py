@@ -94,6 +94,25 @@ def request_body(args, model: str, prompt: str, output_len: int | None = None) -
     return body
 
 
+async def sse_chunks(response):
+    """The JSON chunks of an OpenAI-style SSE stream, up to `data: [DONE]` or the stream's end
+    (a stream cut short just ends: callers judge completion by the finish_reason they saw)."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def chunk_text(chunk: dict, endpoint: str) -> str:
+    """The content a chunk streams (all choices), "" for role, usage and finish chunks."""
+    return "".join((choice.get("text") if endpoint == "completions" else
+                    (choice.get("delta") or {}).get("content")) or ""
+                   for choice in chunk.get("choices") or [])
+
+
 async def one_request(client, args, model: str, prompt: str, output_len: int | None = None) -> Result:
     path = "/chat/completions" if args.endpoint == "chat" else "/completions"
     start = time.perf_counter()
@@ -104,22 +123,13 @@ async def one_request(client, args, model: str, prompt: str, output_len: int | N
                                  json=request_body(args, model, prompt, output_len)) as r:
             if r.status_code != 200:
                 return Result(False, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(r):
                 if "error" in chunk:
                     return Result(False, str(chunk["error"].get("message")))
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                for choice in chunk.get("choices") or []:
-                    text = choice.get("text") if args.endpoint == "completions" else \
-                        (choice.get("delta") or {}).get("content")
-                    if text:
-                        stamps.append(time.perf_counter())
+                if chunk_text(chunk, args.endpoint):
+                    stamps.append(time.perf_counter())
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
         return Result(False, f"{type(e).__name__}: {e}")
     end = time.perf_counter()

@@ -5,7 +5,7 @@
   row of a batch) and restore into fresh single-sequence caches.
 - `pool`: `BlockPool`, ref counts, leaf-first LRU eviction within a byte budget.
 - `prefix`: `PrefixCache`, the runner-facing API (match / restore / release / store).
-- `sizes`: byte budgets (4GB, 512MB, 20%) and the memory MLX may use.
+- `sizes`: byte budgets (4GB, 512MB, 20%), the memory MLX may use, and what it holds now.
 """
 
 from mlxserve.cache.blocks import hash_blocks

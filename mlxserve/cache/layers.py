@@ -97,6 +97,11 @@ class PositionState(ArraysCache):
 
     def __init__(self, size: int = 1, left_padding=None):  # ArraysCache.merge calls cls(size)
         super().__init__(1, left_padding)
+        # A 0 from the start, not None: ArraysCache reads its batch size from its arrays, else
+        # from padding state that a padded prefill drops, else says 1. A batch of text-only rows
+        # holding None then grew by one row, not by its own size, when image rows joined it
+        # (or joined them), and every later step failed on mismatched shapes.
+        self.cache[0] = mx.zeros((1, 1), mx.int32)
 
     def deltas(self, batch_size: int) -> mx.array:
         d = self.cache[0]

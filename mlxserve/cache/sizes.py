@@ -22,6 +22,13 @@ def memory_limit() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def mlx_memory() -> dict:
+    """MLX's allocator, in bytes: arrays alive now, the most alive at once since start, and freed
+    buffers it keeps for reuse (not returned to the system, so part of the process's RSS too)."""
+    return {"active_bytes": mx.get_active_memory(), "peak_bytes": mx.get_peak_memory(),
+            "cache_bytes": mx.get_cache_memory()}
+
+
 def parse_size(value) -> int:
     """Bytes from 4GB / 512MB / 1.5G / 1024 / 20% (of `memory_limit()`).
 

@@ -170,10 +170,15 @@ class AsyncEngine:
         return future
 
     def _cache_stats(self) -> dict:
+        from mlxserve.cache.sizes import mlx_memory
+
         pc, vc = self.prefix_cache, self.vision_cache
         stats = {"prefix_cache": {"enabled": pc is not None, **(pc.stats() if pc else {})}}
         if self.loaded.vision is not None:
             stats["vision_cache"] = {"enabled": vc is not None, **(vc.stats() if vc else {})}
+        # Beside the caches' own byte counts, all MLX holds (weights, running KV, caches), read
+        # on the MLX thread between steps: `bench soak` watches it for leaks.
+        stats["mlx_memory"] = mlx_memory()
         return stats
 
     async def cache_stats(self) -> dict:
