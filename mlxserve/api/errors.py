@@ -133,6 +133,17 @@ def validation_error(exc: RequestValidationError, content_type: str | None = Non
     return bad_request(f"{param}: {message}", param=param)
 
 
+def unparsable_body(cause: BaseException) -> APIError:
+    """The 400 for a body FastAPI's JSON parsing gave up on, saying why (its own message does not)."""
+    if isinstance(cause, RecursionError):
+        message = "The request body's JSON is nested too deeply."
+    elif isinstance(cause, UnicodeError):
+        message = "The request body is not JSON in UTF-8."
+    else:
+        message = f"The request body cannot be read as JSON: {first_line(str(cause))}."
+    return bad_request(message, code="invalid_json")
+
+
 def _dotted(loc) -> str:
     """('messages', 0, 'role') -> 'messages[0].role'; pydantic union tags are dropped."""
     out = ""
@@ -159,6 +170,8 @@ def install(app: FastAPI) -> None:
                    405: f"Method {request.method} is not allowed on {request.url.path}."}
         err = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
                        headers=dict(exc.headers or {}))
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's "error parsing the body"
+            err = unparsable_body(exc.__cause__)
         return error_response(err, request.url.path)
 
     async def on_unexpected(request: Request, exc: Exception):

@@ -109,6 +109,11 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     @property
+    def capacity(self) -> int:
+        """Requests in flight at most: running plus queued (more are refused, 429)."""
+        return self.config.max_num_seqs + self.config.max_queue
+
+    @property
     def alive(self) -> bool:
         return (self._thread is not None and self._thread.is_alive() and not self.fatal_error
                 and not self._stopping)
@@ -146,10 +151,17 @@ class AsyncEngine:
         vocab = self.loaded.vocab_size
         if vocab and any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        # A logit_bias id past the vocabulary writes past the logits (MLX does not check indices:
+        # on the CPU the process died); a stop id there never matches. Refused here, for every API
+        # and the Python one.
+        params = request.params
+        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if vocab and any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"{field}: token ids must be in [0, {vocab})")
         if request.images and request.params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: not supported for prompts with images")
         max_tokens = self.check_length(len(request.prompt_token_ids), request.params.max_tokens)
-        if len(self._streams) >= self.config.max_num_seqs + self.config.max_queue:
+        if len(self._streams) >= self.capacity:
             raise QueueFullError(
                 f"{len(self._streams)} requests are in flight and the queue is full; retry later"
             )
