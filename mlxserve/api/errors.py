@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlxserve.engine.engine import EngineDeadError, QueueFullError
-from mlxserve.engine.request import EngineError, PromptTooLongError
+from mlxserve.engine.guard import InsufficientMemoryError
+from mlxserve.engine.request import EngineError, EngineStalledError, PromptTooLongError
 
 log = logging.getLogger("mlxserve.api")
 
@@ -94,6 +95,11 @@ def from_engine(exc: BaseException, rename: dict | None = None) -> APIError:
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine is not running: {first_line(str(exc))}", code="engine_dead")
+    if isinstance(exc, InsufficientMemoryError):  # no Retry-After: the same request will not fit later
+        return APIError(503, str(exc), param=rename.get("max_tokens", "max_tokens"), code="insufficient_memory")
+    if isinstance(exc, EngineStalledError):
+        return APIError(503, f"The engine is stalled: {first_line(str(exc))}; retry later.", code="engine_stalled",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, EngineError):
         # The engine's message names the failure (e.g. the exception's repr), never a traceback.
         return APIError(500, f"The engine failed this request: {first_line(str(exc))}", code="engine_error")

@@ -200,5 +200,10 @@ class EngineError(RuntimeError):
     """The engine failed a request (an exception in the MLX thread)."""
 
 
+class EngineStalledError(EngineError):
+    """An engine step ran past --step-timeout: the requests in flight were failed, new ones are
+    refused until it ends (engine/guard.py)."""
+
+
 class PromptTooLongError(ValueError):
     """The prompt (plus at least one output token) does not fit the context."""
