@@ -120,11 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command in ("serve", "generate", "chat", "bench"):
-        from mlxserve._blas import check_cuda_backend
+        from mlxserve._blas import check_cpu_blas, check_cuda_backend
 
-        warning = check_cuda_backend()
-        if warning:
-            print(f"warning: {warning}", file=sys.stderr)
+        for warning in (check_cuda_backend(), check_cpu_blas()):
+            if warning:
+                print(f"warning: {warning}", file=sys.stderr)
     return ns.func(ns) or 0
 
 

@@ -59,6 +59,22 @@ class EngineConfig:
     max_queue: int = setting(
         256, "Most requests waiting for a slot; beyond this new requests are refused (HTTP 429)."
     )
+    kv_memory: str = setting(
+        "auto",
+        "Memory the running requests' KV cache may take, e.g. 8GB or 50% (of what MLX may use). "
+        "Each request counts at its full length (prompt + max_tokens; in a batch every row at the "
+        "longest row's, as mlx-lm pads them), estimated from the model's cache layers: a request "
+        "waits until it fits beside the running ones, and one that could not fit even alone is "
+        "refused (HTTP 503; a request that names no max_tokens gets what fits). auto: what MLX may "
+        "use (the smaller of mx.get_memory_limit() and the device's memory), less the weights and "
+        "the prefix and vision caches' budgets.",
+    )
+    step_timeout: float = setting(
+        120.0,
+        "Seconds one engine step may run before the watchdog fails every request in flight (an "
+        "HTTP 503, or an error event in a stream), refuses new ones and reports 'stalled' on "
+        "/health; the engine serves again when the step returns. 0: no watchdog.",
+    )
     default_max_tokens: int = setting(
         4096, "Output tokens of a request that names no limit (capped by the context)."
     )

@@ -19,7 +19,7 @@ from mlxserve.api.openai_routes import CLIENT_CLOSED, state_of
 from mlxserve.api.reasoning import ReasoningSplitter
 from mlxserve.api.sse import SSEResponse, dumps, event
 from mlxserve.api.tokens import render
-from mlxserve.api.tool_calls import ToolCall, ToolCallStream, anthropic_tool_use, split_text
+from mlxserve.api.tool_calls import ToolCall, ToolCallStream, anthropic_tool_use, check_tool_schema, split_text
 from mlxserve.engine.request import Request as EngineRequest
 from mlxserve.engine.request import SamplingParams
 
@@ -28,8 +28,19 @@ router = APIRouter()
 
 
 def check_supported(body: Conversation) -> None:
+    check_contents(body)
     check_tools(body)
     thinking.check_thinking(body.thinking, getattr(body, "max_tokens", None))
+
+
+def check_contents(body: Conversation) -> None:
+    """Anthropic's rule: an empty turn (the prompt would show the model nothing from it) is
+    refused, except a last assistant turn, which the answer continues."""
+    last = len(body.messages) - 1
+    for i, m in enumerate(body.messages):
+        if not m.content and not (i == last and m.role == "assistant"):
+            raise bad_request(f"messages.{i}: all messages must have non-empty content except for "
+                              "the optional final assistant message", f"messages.{i}.content")
 
 
 def check_tools(body: Conversation) -> None:
@@ -45,6 +56,7 @@ def check_tools(body: Conversation) -> None:
         if not isinstance(tool.input_schema, dict) or tool.input_schema.get("type") != "object":
             raise bad_request(f"tools.{j}.input_schema: must be a JSON schema of type 'object'",
                               f"tools.{j}.input_schema.type")
+        check_tool_schema(tool.input_schema, f"tools.{j}.input_schema")
 
 
 def template_tools(body: Conversation) -> list[dict] | None:

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as Anthropic's API: "5" is not a number, "yes" not a boolean.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class ContentBlock(_Body):

@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlxserve.engine.engine import EngineDeadError, QueueFullError
-from mlxserve.engine.request import EngineError, PromptTooLongError
+from mlxserve.engine.guard import InsufficientMemoryError
+from mlxserve.engine.request import EngineError, EngineStalledError, PromptTooLongError
 
 log = logging.getLogger("mlxserve.api")
 
@@ -94,6 +95,11 @@ def from_engine(exc: BaseException, rename: dict | None = None) -> APIError:
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine is not running: {first_line(str(exc))}", code="engine_dead")
+    if isinstance(exc, InsufficientMemoryError):  # no Retry-After: the same request will not fit later
+        return APIError(503, str(exc), param=rename.get("max_tokens", "max_tokens"), code="insufficient_memory")
+    if isinstance(exc, EngineStalledError):
+        return APIError(503, f"The engine is stalled: {first_line(str(exc))}; retry later.", code="engine_stalled",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, EngineError):
         # The engine's message names the failure (e.g. the exception's repr), never a traceback.
         return APIError(500, f"The engine failed this request: {first_line(str(exc))}", code="engine_error")
@@ -133,6 +139,17 @@ def validation_error(exc: RequestValidationError, content_type: str | None = Non
     return bad_request(f"{param}: {message}", param=param)
 
 
+def unparsable_body(cause: BaseException) -> APIError:
+    """The 400 for a body FastAPI's JSON parsing gave up on, saying why (its own message does not)."""
+    if isinstance(cause, RecursionError):
+        message = "The request body's JSON is nested too deeply."
+    elif isinstance(cause, UnicodeError):
+        message = "The request body is not JSON in UTF-8."
+    else:
+        message = f"The request body cannot be read as JSON: {first_line(str(cause))}."
+    return bad_request(message, code="invalid_json")
+
+
 def _dotted(loc) -> str:
     """('messages', 0, 'role') -> 'messages[0].role'; pydantic union tags are dropped."""
     out = ""
@@ -159,6 +176,8 @@ def install(app: FastAPI) -> None:
                    405: f"Method {request.method} is not allowed on {request.url.path}."}
         err = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
                        headers=dict(exc.headers or {}))
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's "error parsing the body"
+            err = unparsable_body(exc.__cause__)
         return error_response(err, request.url.path)
 
     async def on_unexpected(request: Request, exc: Exception):

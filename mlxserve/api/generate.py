@@ -66,6 +66,10 @@ class Run:
         self.requests = requests
         self._rename = rename
         engine = state.engine
+        if len(requests) > engine.capacity:  # a 429 would ask the client to retry what can never fit
+            raise APIError(400, f"This request asks for {len(requests)} completions (prompts x n), more than "
+                           f"the {engine.capacity} this server runs and queues at once; send fewer.",
+                           param="n", code="too_many_completions")
         streams = []
         try:
             for r in requests:

@@ -24,7 +24,14 @@ from mlxserve.api.openai_schema import (
 from mlxserve.api.reasoning import ReasoningSplitter, ReasoningSyntax
 from mlxserve.api.sse import DONE, SSEResponse, event
 from mlxserve.api.tokens import clamp, render
-from mlxserve.api.tool_calls import ToolCall, ToolCallStream, ToolSyntax, openai_tool_call, split_text
+from mlxserve.api.tool_calls import (
+    ToolCall,
+    ToolCallStream,
+    ToolSyntax,
+    check_tool_schema,
+    openai_tool_call,
+    split_text,
+)
 from mlxserve.engine.request import Request as EngineRequest
 from mlxserve.engine.request import SamplingParams
 
@@ -124,6 +131,8 @@ def check_chat_supported(body: ChatCompletionRequest) -> None:
         raise bad_request("prediction: predicted outputs are not supported", "prediction")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+    for j, tool in enumerate(body.tools or []):
+        check_tool_schema(tool.function.parameters, f"tools[{j}].function.parameters")
 
 
 def message_text(content, where: str, placeholders=None) -> str:

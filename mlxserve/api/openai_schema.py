@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI API (pydantic).
 
-Unknown fields are ignored, as OpenAI does. Fields OpenAI defines that this
+Unknown fields are ignored, as OpenAI does, but the fields read are strictly typed, as
+OpenAI's are: "5" is not a number, "yes" not a boolean (pydantic's lax mode would take
+both and run a request other than the one the client meant). Fields OpenAI defines that this
 server cannot honour are declared anyway, so that `check_supported` can refuse
 them with a clear 400 instead of dropping them silently.
 Responses are built as plain dicts in `openai_routes` (they are written on
@@ -17,7 +19,7 @@ from mlxserve.engine.request import MAX_TOP_LOGPROBS
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # strict: ints may still fill floats
 
 
 class ImageURL(_Body):

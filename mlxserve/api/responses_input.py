@@ -29,6 +29,7 @@ from mlxserve.api.openai_schema import (
     ToolCall,
 )
 from mlxserve.api.responses_schema import InputItem, InputPart, ResponsesRequest
+from mlxserve.api.tool_calls import check_tool_schema
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "refusal")
@@ -263,6 +264,7 @@ def chat_tools(body: ResponsesRequest) -> list[Tool] | None:
             raise bad_request(f"tools[{j}].type: {t.type!r} tools are not supported; this server "
                               "runs function tools only", f"tools[{j}].type")
         name = require(t.name, f"tools[{j}].name")
+        check_tool_schema(t.parameters, f"tools[{j}].parameters")
         tools.append(Tool(type="function", function=FunctionDefinition(
             name=name, description=t.description, parameters=t.parameters, strict=t.strict)))
     return tools

@@ -20,6 +20,8 @@ import mlxserve
 from mlxserve.api import anthropic_routes, errors, openai_routes, responses_routes
 from mlxserve.api.errors import APIError, error_response
 from mlxserve.api.generate import ServerState
+from mlxserve.engine.engine import EngineDeadError
+from mlxserve.engine.request import EngineStalledError
 from mlxserve.metrics import CONTENT_TYPE_LATEST, Metrics
 
 log = logging.getLogger("mlxserve.api")
@@ -54,12 +56,12 @@ def create_app(engine, loaded, server_cfg) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 when the engine serves; 503 when it is shutting down, stalled (a step has run past
+        --step-timeout) or dead. Read without the MLX thread, so a stalled engine still answers."""
         if state.draining:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
-        if not engine.alive:
-            reason = errors.first_line(engine.fatal_error or "the engine is not running")
-            return JSONResponse({"status": "dead", "reason": reason}, status_code=503)
-        return {"status": "ok"}
+        info = engine.health()
+        return JSONResponse(info, status_code=200 if info["status"] == "ok" else 503)
 
     @app.get("/version")
     async def version_info():
@@ -69,11 +71,17 @@ def create_app(engine, loaded, server_cfg) -> FastAPI:
 
     @app.get("/v1/cache/stats")
     async def cache_stats():
-        return await engine.cache_stats()
+        try:
+            return await engine.cache_stats()
+        except (EngineDeadError, EngineStalledError) as e:  # the MLX thread cannot answer now
+            raise errors.from_engine(e) from None
 
     @app.post("/v1/cache/reset")
     async def cache_reset():
-        return await engine.reset_cache()
+        try:
+            return await engine.reset_cache()
+        except (EngineDeadError, EngineStalledError) as e:
+            raise errors.from_engine(e) from None
 
     @app.get("/metrics")
     async def metrics_text():
@@ -186,7 +194,7 @@ def serve(model_cfg, engine_cfg, server_cfg) -> int:
     """
     import uvicorn
 
-    from mlxserve.engine.engine import AsyncEngine, EngineDeadError
+    from mlxserve.engine.engine import AsyncEngine
     from mlxserve.models.files import ModelLoadError
     from mlxserve.models.load import load
 

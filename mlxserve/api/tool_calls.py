@@ -9,10 +9,13 @@ the model's words rather than an error, and can see why no call came back.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from dataclasses import dataclass
 from typing import Callable
+
+from mlxserve.api.errors import bad_request
 
 
 @dataclass
@@ -81,6 +84,32 @@ def offered(call: ToolCall, tools) -> bool:
     except jsonschema.SchemaError:
         pass  # the client's schema is broken; it cannot be held against the model
     return True
+
+
+def check_tool_schema(schema, param: str) -> None:
+    """A 400 for a tool schema that is not a JSON schema (as OpenAI's and Anthropic's APIs refuse
+    one): the template would show the model a tool nobody can call, and a forced call would
+    fail later, in grammar compilation, with a less clear message."""
+    if schema is None:
+        return
+    why = _schema_error(json.dumps(schema, sort_keys=True))
+    if why is not None:
+        raise bad_request(f"{param}: not a valid JSON schema: {why}", param)
+
+
+@functools.lru_cache(maxsize=1024)  # agents send the same tools with every turn; a check takes ~2 ms
+def _schema_error(text: str) -> str | None:
+    import jsonschema
+
+    schema = json.loads(text)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
+        return f"{e.message}" + (f" (at {where.lstrip('.')})" if where else "")
+    except RecursionError:
+        return "it is nested too deeply"
+    return None
 
 
 class ToolCallStream:

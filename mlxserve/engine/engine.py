@@ -23,8 +23,10 @@ from typing import AsyncIterator
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
+from mlxserve.engine.guard import Watchdog, kv_budget_for
 from mlxserve.engine.request import (
     EngineError,
+    EngineStalledError,
     PromptTooLongError,
     Request,
     RequestOutput,
@@ -58,6 +60,7 @@ class _Token:
 @dataclass
 class _Failure:
     message: str
+    error: type = EngineError  # what the caller's stream raises
 
 
 _ABORTED = object()  # put in a stream's queue by abort()
@@ -87,6 +90,8 @@ class AsyncEngine:
         self.num_running = 0
         self.num_waiting = 0
         self.steps = 0  # engine steps that had work
+        self.kv_budget = None  # a KVBudget, made on the MLX thread (engine/guard.py)
+        self.watchdog = Watchdog(self.config.step_timeout, self._on_stall)
 
     # ---- lifetime ----
     def start(self) -> "AsyncEngine":
@@ -101,6 +106,7 @@ class AsyncEngine:
             self._ready.wait()
             if self.fatal_error:
                 raise EngineDeadError(self.fatal_error)
+            self.watchdog.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -109,9 +115,38 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     @property
+    def capacity(self) -> int:
+        """Requests in flight at most: running plus queued (more are refused, 429)."""
+        return self.config.max_num_seqs + self.config.max_queue
+
+    @property
     def alive(self) -> bool:
         return (self._thread is not None and self._thread.is_alive() and not self.fatal_error
                 and not self._stopping)
+
+    def health(self) -> dict:
+        """ok, stalled (a step has run past --step-timeout) or dead (the loop is not running)."""
+        if not self.alive:
+            reason = (self.fatal_error or "the engine is not running").strip().splitlines()
+            return {"status": "dead", "reason": reason[0] if reason else "unknown error"}
+        wd = self.watchdog
+        out = {"status": "stalled" if wd.stalled else "ok", "running": self.num_running,
+               "waiting": self.num_waiting, "steps": self.steps, "last_step_s": wd.last_step_s,
+               "step_running_s": wd.running_s(), "step_timeout_s": wd.timeout_s or None, "stalls": wd.stalls}
+        if self.kv_budget is not None:
+            out["kv_budget_bytes"] = self.kv_budget.budget
+        return out
+
+    def _stalled_error(self) -> EngineStalledError:
+        return EngineStalledError(f"an engine step has run {self.watchdog.running_s() or 0:.1f} s, past the "
+                                  f"{self.watchdog.timeout_s:g} s limit (--step-timeout)")
+
+    def _on_stall(self, running_s: float) -> None:
+        """The watchdog's thread: fail every request in flight, whose clients would otherwise wait
+        for a step that may never end (the MLX thread drops them when it returns)."""
+        error = self._stalled_error()
+        log.error("engine stalled: %s; failing the %d requests in flight", error, len(self._streams))
+        self._fail_all(str(error), EngineStalledError)
 
     # ---- caller side (event loop thread) ----
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
@@ -146,10 +181,22 @@ class AsyncEngine:
         vocab = self.loaded.vocab_size
         if vocab and any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        # A logit_bias id past the vocabulary writes past the logits (MLX does not check indices:
+        # on the CPU the process died); a stop id there never matches. Refused here, for every API
+        # and the Python one.
+        params = request.params
+        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if vocab and any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"{field}: token ids must be in [0, {vocab})")
         if request.images and request.params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: not supported for prompts with images")
         max_tokens = self.check_length(len(request.prompt_token_ids), request.params.max_tokens)
-        if len(self._streams) >= self.config.max_num_seqs + self.config.max_queue:
+        if self.kv_budget is not None:
+            max_tokens = self.kv_budget.check(len(request.prompt_token_ids), max_tokens,
+                                              explicit=request.params.max_tokens is not None)
+        if self.watchdog.stalled:
+            raise self._stalled_error()
+        if len(self._streams) >= self.capacity:
             raise QueueFullError(
                 f"{len(self._streams)} requests are in flight and the queue is full; retry later"
             )
@@ -165,6 +212,8 @@ class AsyncEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         if not self.alive:
             future.set_exception(EngineDeadError(self.fatal_error or "engine is not running"))
+        elif self.watchdog.stalled:  # it would wait for the stalled step
+            future.set_exception(self._stalled_error())
         else:
             self._commands.put(("call", (fn, future)))
         return future
@@ -227,7 +276,7 @@ class AsyncEngine:
                 for item in await stream.queue.get():
                     if isinstance(item, _Failure):
                         done = True
-                        raise EngineError(item.message)
+                        raise item.error(item.message)
                     if item is _ABORTED:
                         done = True
                         yield RequestOutput(request.request_id, [], stops.flush() + detok.flush(),
@@ -343,11 +392,13 @@ class AsyncEngine:
             dequantize_kv=dequantize_kv,
             keep_image_embeddings=cfg.keep_image_embeddings,
         )
+        self.kv_budget = kv_budget_for(self.loaded.model, cfg, dequantize_kv, self.prefix_cache, self.vision_cache)
         scheduler = Scheduler(
             runner,
             eos_token_ids=self.tokenizer.eos_token_ids,
             vocab_size=self.loaded.vocab_size,
             max_num_seqs=max_num_seqs,
+            kv_budget=self.kv_budget,
         )
         return scheduler
 
@@ -369,6 +420,7 @@ class AsyncEngine:
             self._fail_all("engine loop crashed")
         finally:
             self._stopping = True
+            self.watchdog.stop()
             # Free this engine's MLX arrays here, in the thread that owns MLX, and wait
             # for its GPU work: left to the garbage collector, they would be freed from
             # whichever thread collects them, maybe while another engine's thread (tests,
@@ -437,6 +489,7 @@ class AsyncEngine:
                         outbox.setdefault(request.request_id, []).append(_Failure(f"{e}"))
             events = []
             if scheduler.has_work():
+                self.watchdog.begin()
                 try:
                     events = scheduler.step()
                 except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
@@ -444,6 +497,8 @@ class AsyncEngine:
                     for seq in scheduler.runner.reset():
                         outbox.setdefault(seq.request_id, []).append(
                             _Failure(f"engine step failed: {e!r}"))
+                finally:
+                    self.watchdog.end()
                 self.steps += 1
                 for seq, message in scheduler.runner.failed:
                     outbox.setdefault(seq.request_id, []).append(_Failure(message))
@@ -472,8 +527,8 @@ class AsyncEngine:
             except RuntimeError:
                 pass  # that caller's loop is closed; its requests are gone
 
-    def _fail_all(self, message: str) -> None:
-        self._publish({rid: [_Failure(message)] for rid in list(self._streams)})
+    def _fail_all(self, message: str, error: type = EngineError) -> None:
+        self._publish({rid: [_Failure(message, error)] for rid in list(self._streams)})
 
 
 def _finish_gpu_work() -> None:

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_TOP_LOGPROBS = 20
+# Stop strings are matched on the event loop against every token's text, at a cost that grows
+# with their number and length (text that may start one is held back up to the longest): these
+# bounds keep that small. OpenAI takes 4 strings; clients that send more send a handful.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1000
 
 
 @dataclass
@@ -101,6 +106,10 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if any(not isinstance(s, str) for s in self.stop):
             bad("stop", "must be strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            bad("stop", f"each stop string may have at most {MAX_STOP_CHARS} characters")
 
     @property
     def greedy(self) -> bool:
@@ -189,6 +198,11 @@ class RequestOutput:
 
 class EngineError(RuntimeError):
     """The engine failed a request (an exception in the MLX thread)."""
+
+
+class EngineStalledError(EngineError):
+    """An engine step ran past --step-timeout: the requests in flight were failed, new ones are
+    refused until it ends (engine/guard.py)."""
 
 
 class PromptTooLongError(ValueError):

@@ -1,8 +1,9 @@
 """Admission and aborts: which requests run, which wait.
 
 Runs on the MLX thread. Requests wait in arrival order until the runner has a
-free slot (`max_num_seqs`); an aborted request leaves wherever it is at the
-next step.
+free slot (`max_num_seqs`) and, with a `KVBudget`, until their KV cache fits beside
+the running ones' (engine/guard.py); an aborted request leaves wherever it is at
+the next step.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from mlxserve.engine.sampling import make_processors, make_sampler, make_stop_se
 
 
 class Scheduler:
-    def __init__(self, runner: Runner, *, eos_token_ids, vocab_size: int, max_num_seqs: int):
+    def __init__(self, runner: Runner, *, eos_token_ids, vocab_size: int, max_num_seqs: int, kv_budget=None):
         self.runner = runner
+        self.kv_budget = kv_budget
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
@@ -55,8 +57,20 @@ class Scheduler:
                 return True
         return False
 
+    def _fits(self, seq: Sequence) -> bool:
+        if self.kv_budget is None:
+            return True
+        running = [_length(s) for s in self.runner.sequences]
+        return self.kv_budget.admits(running, _length(seq))
+
     def step(self) -> list[TokenEvent]:
         events = []
-        while self.waiting and len(self.runner) < self.max_num_seqs:
+        # In arrival order: a long request waiting for memory is not overtaken (and starved).
+        while self.waiting and len(self.runner) < self.max_num_seqs and self._fits(self.waiting[0]):
             events += self.runner.add(self.waiting.popleft())
         return events + self.runner.step()
+
+
+def _length(seq: Sequence) -> int:
+    """The most tokens the sequence's cache will hold."""
+    return len(seq.request.prompt_token_ids) + seq.max_tokens

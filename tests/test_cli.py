@@ -1,0 +1,33 @@
+"""The command line as a user runs it: `python -m mlxserve`, and what `serve` warns about at start."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mlxserve(*args, **env):
+    return subprocess.run([sys.executable, "-m", "mlxserve", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+
+
+def test_python_dash_m_runs_the_cli():
+    out = mlxserve("shapes")
+    assert out.returncode == 0, out.stderr
+    assert "qwen3-tiny" in out.stdout
+
+
+def test_serve_warns_when_mlx_runs_on_the_reference_blas():
+    """Without OpenBLAS (here: told not to load it), `serve` says so and how to fix it, then goes
+    on (this model does not exist: it exits 2 after the warning)."""
+    from mlxserve._blas import _find_openblas
+
+    out = mlxserve("serve", "/no/such/model", MLXSERVE_NO_OPENBLAS="1")
+    assert out.returncode == 2, out.stderr
+    warning = next(line for line in out.stderr.splitlines() if line.startswith("warning:"))
+    assert "reference BLAS" in warning and "libopenblas0-pthread" in warning
+    if sys.platform.startswith("linux") and _find_openblas():  # loaded: no warning
+        out = mlxserve("serve", "/no/such/model")
+        assert out.returncode == 2 and "reference BLAS" not in out.stderr
