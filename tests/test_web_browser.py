@@ -7,6 +7,7 @@ installs both on Debian/Ubuntu). MLXSERVE_CHROMIUM names another Chromium binary
 """
 
 import base64
+import json
 import os
 import shutil
 
@@ -185,3 +186,50 @@ def test_the_dashboard_follows_the_server(page, web_server):
     assert int(misses.inner_text()) >= 1
     memory = page.locator("#t-memory tr[data-key=mlx_active] td").inner_text()
     assert memory.endswith("iB")
+
+
+def test_reasoning_is_shown_apart_and_errors_are_shown(page, web_server):
+    """The page's side of a reasoning model's stream and of errors. The tiny models here do
+    not reason, so this test answers /v1/chat/completions itself (Playwright's routing):
+    the SSE body a reasoning model's server sends, in OpenAI's chunk shape."""
+    def chunk(delta, finish=None):
+        return "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+    thinking, answer = ["The user ", "greets me", "."], ["Hello", " there!"]
+    body = "".join([chunk({"role": "assistant"}), *(chunk({"reasoning_content": t}) for t in thinking),
+                    *(chunk({"content": t}) for t in answer), chunk({}, "stop"),
+                    "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 6,
+                                                                    "prompt_tokens_details": {"cached_tokens": 0}}}),
+                    "\n\ndata: [DONE]\n\n"])
+    replies = [dict(status=200, content_type="text/event-stream", body=body),
+               dict(status=200, content_type="text/event-stream",
+                    body=chunk({"content": "Hal"}) + 'data: {"error": {"message": "The engine failed."}}\n\n'
+                    "data: [DONE]\n\n"),
+               dict(status=400, content_type="application/json",
+                    body=json.dumps({"error": {"message": "max_tokens is too large", "type": "x",
+                                               "param": None, "code": None}}))]
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(**replies.pop(0)))
+    page.goto(web_server.url + "/")
+    page.wait_for_function("document.querySelector('#model').options.length > 0")
+
+    first = ask(page, "Hi")
+    reasoning = first.locator(".reasoning")
+    assert reasoning.is_visible() and reasoning.get_attribute("open") is None  # folded once answered
+    assert reasoning.locator(".reasoning-text").text_content() == "".join(thinking)
+    assert first.locator(".content").text_content() == "".join(answer)
+    assert first.get_attribute("data-finish") == "stop"
+    reasoning.locator("summary").click()
+    assert reasoning.get_attribute("open") is not None
+
+    page.fill("#prompt", "Again")
+    page.press("#prompt", "Enter")
+    second = page.locator(".msg.assistant").nth(1)
+    second.locator(".error").filter(has_text="The engine failed.").wait_for()
+    assert second.locator(".content").text_content() == "Hal"
+
+    page.fill("#prompt", "Once more")
+    page.press("#prompt", "Enter")
+    third = page.locator(".msg.assistant").nth(2)
+    third.locator(".error").filter(has_text="400: max_tokens is too large").wait_for()
+    assert not page.locator("#send").is_disabled()  # ready for the next message
