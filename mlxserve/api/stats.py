@@ -119,9 +119,9 @@ class CacheReader:
     """Reads the engine's cache stats without ever waiting on the MLX thread for long.
 
     The stats are read between two engine steps; a step can take seconds on a
-    CPU (a long prefill). A read still pending at the next tick is left to
-    finish (cancelling it would cancel the engine's future under its feet)
-    and the tick reuses the last stats it got.
+    CPU (a long prefill). A read still pending when `wait` runs out is left to
+    finish, and the next tick takes its result (cancelling it would only throw
+    away a read already queued); meanwhile the tick reuses the last stats it got.
     """
 
     def __init__(self, engine):

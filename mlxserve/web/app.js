@@ -156,6 +156,6 @@ const mlx = {};
     window.addEventListener("hashchange", route);
     route();
     mlx.loadModels();
-    setInterval(mlx.loadModels, 5000); // states change while a model loads
+    setInterval(mlx.loadModels, 10000); // states change while a model loads
   });
 })();
