@@ -155,3 +155,21 @@ def test_the_stream_ends_when_the_server_shuts_down(server):
     finally:
         server.state.draining = False
     assert 1 <= len(seen) <= 2 and took < 5
+
+
+def test_stats_of_a_stopped_engine_say_so(tiny):
+    """The dashboard must still draw when the engine is gone: the status says why, and the
+    cache stats (read on the engine's thread) are absent instead of an error."""
+    from conftest import LiveServer
+
+    live = LiveServer(tiny("qwen3-tiny"))
+    try:
+        live.engine.stop()
+        snap = stats(live)
+        assert snap["status"] == "dead" and snap["reason"] == "the engine is not running"
+        assert snap["caches"] is None and snap["engine"]["alive"] is False
+        assert snap["memory"]["prefix_cache_bytes"] is None
+        events = stream_events(live, lambda ev: len(ev) == 2)
+        assert [e["status"] for e in events] == ["dead", "dead"]
+    finally:
+        live.close()
