@@ -1,6 +1,7 @@
 // What the chat and the dashboard share: the API key, fetch with auth, an SSE reader,
 // the model list and the two tabs. Plain scripts (no modules, no build step): each file
-// adds to the global `mlx` object.
+// adds to the global `mlx` object. Paths are relative to the page ("v1/models"), so it also
+// works behind a proxy that serves the server under a path prefix.
 "use strict";
 
 const mlx = {};
@@ -103,7 +104,7 @@ const mlx = {};
   mlx.loadModels = async () => {
     let res;
     try {
-      res = await mlx.api("/v1/models");
+      res = await mlx.api("v1/models");
     } catch (e) {
       return; // the server is down; the next poll tries again
     }

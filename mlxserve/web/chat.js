@@ -124,7 +124,7 @@
     let answer = "", reasoning = "", finish = null, usage = null, first = null, tokens = 0;
     const started = performance.now();
     try {
-      const res = await mlx.api("/v1/chat/completions", {
+      const res = await mlx.api("v1/chat/completions", {
         method: "POST",
         headers: { "Content-Type": "application/json" },
         body: JSON.stringify(body),

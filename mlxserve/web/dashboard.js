@@ -149,7 +149,7 @@
   async function follow() {
     for (;;) {
       try {
-        const res = await mlx.api("/v1/stats/stream");
+        const res = await mlx.api("v1/stats/stream");
         if (res.status === 401) {
           $("dash-status").textContent = "The dashboard needs the API key (button at the top).";
           await keyChanged();
