@@ -233,3 +233,29 @@ def test_reasoning_is_shown_apart_and_errors_are_shown(page, web_server):
     third = page.locator(".msg.assistant").nth(2)
     third.locator(".error").filter(has_text="400: max_tokens is too large").wait_for()
     assert not page.locator("#send").is_disabled()  # ready for the next message
+
+
+def test_models_with_states_are_listed_with_them(page, web_server):
+    """A server with several models says each one's state in /v1/models (this one serves a
+    single model and says none, so the test answers that route itself): the picker lists
+    them all, shows the chosen one's state, and the dashboard's table shows every state."""
+    models = {"object": "list", "data": [
+        {"id": MODEL, "object": "model", "state": "loaded"},
+        {"id": "other-model", "object": "model", "state": "loading"}]}
+    page.route("**/v1/models", lambda route: route.fulfill(json=models))
+    page.goto(web_server.url + "/")
+    page.wait_for_function("document.querySelector('#model').options.length === 2")
+    assert page.locator("#model-state").inner_text() == "loaded"
+    page.select_option("#model", "other-model")
+    assert page.locator("#model-state").inner_text() == "loading"
+    page.click("#tab-dashboard")
+    rows = page.locator("#t-models tr")
+    assert rows.count() == 2
+    assert rows.nth(0).locator("td").inner_text() == "loaded"
+    assert rows.nth(1).locator("td").inner_text() == "loading"
+
+    # The request carries the chosen model: this server refuses one it does not serve.
+    page.click("#tab-chat")
+    page.fill("#prompt", "Hi")
+    page.press("#prompt", "Enter")
+    page.locator(".msg.assistant .error").filter(has_text="404: The model 'other-model' does not exist").wait_for()
