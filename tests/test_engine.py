@@ -237,3 +237,31 @@ def test_engine_error_fails_the_batch_and_keeps_serving(tiny):
         assert engine.alive
     finally:
         engine.stop()
+
+
+def test_a_call_its_caller_gave_up_on_leaves_the_engine_running(tiny):
+    """A caller that stops waiting for engine.call (its task cancelled: a client gone, a
+    timeout, a shutdown) cancels the future; the MLX thread must skip it, not die setting
+    the result of a cancelled future."""
+    import threading
+
+    engine = AsyncEngine(tiny("qwen3-tiny")).start()
+    release = threading.Event()
+    try:
+        engine.call(lambda: release.wait(10))  # holds the MLX thread, so the next call waits
+
+        async def give_up():
+            task = asyncio.ensure_future(engine.cache_stats())
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(give_up())
+        release.set()
+        out, last = asyncio.run(tokens_of(engine, [5, 6, 7], greedy(3)))
+        assert len(out) == 3 and last.finish_reason == "length"
+        assert engine.alive and asyncio.run(engine.cache_stats())["prefix_cache"]["enabled"]
+    finally:
+        release.set()
+        engine.stop()

@@ -17,7 +17,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse, Response
 
 import mlxserve
-from mlxserve.api import anthropic_routes, errors, openai_routes, responses_routes
+from mlxserve.api import anthropic_routes, errors, openai_routes, responses_routes, web
 from mlxserve.api.errors import APIError, error_response
 from mlxserve.api.generate import ServerState
 from mlxserve.engine.engine import EngineDeadError
@@ -52,6 +52,7 @@ def create_app(engine, loaded, server_cfg) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
+    app.include_router(web.router)  # the page at / and its stats
     backend = mlx_backend()
 
     @app.get("/health")

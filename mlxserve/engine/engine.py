@@ -440,7 +440,7 @@ class AsyncEngine:
                     kind, arg = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if kind == "call":
+                if kind == "call" and arg[1].set_running_or_notify_cancel():  # else nobody waits
                     arg[1].set_exception(EngineDeadError("engine stopped"))
                 elif kind == "add":
                     self._publish({arg[0].request_id: [_Failure("engine stopped")]})
@@ -477,6 +477,8 @@ class AsyncEngine:
                     scheduler.abort(arg)
                 elif kind == "call":
                     fn, future = arg
+                    if not future.set_running_or_notify_cancel():
+                        continue  # its caller gave up: setting a cancelled future's result raises
                     try:
                         future.set_result(fn())
                     except Exception as e:  # noqa: BLE001 - handed to the caller
