@@ -395,6 +395,35 @@ class PrefixCache:
             self._fault("restore", e)
             return None
 
+    # ---- pins ----
+
+    def pin(self, token_ids) -> tuple[list, int]:
+        """Pin the cached blocks that hold `token_ids` from its start: its full blocks (from
+        disk too), then the cached block that continues them furthest into the rest (a
+        finished prompt's tail). Returns (the blocks, how many tokens of `token_ids` they
+        hold); give them back with `unpin`. Unlike `match`, nothing is held back for the
+        last token: a pinned prefix is the start of later prompts, not a prompt."""
+        if self.disabled:
+            raise ValueError(f"the prefix cache is off for this model: {self.disabled}")
+        bs = self.block_size
+        hashes = hash_blocks(token_ids, bs, fingerprint=self.fingerprint)
+        blocks = self._lookup(hashes)
+        try:
+            num = len(blocks) * bs
+            if len(blocks) == len(hashes) and num < len(token_ids):
+                found = self._partial_children(hashes[-1] if hashes else None, token_ids[num:], None)
+                if found:
+                    child, n = found[0]
+                    blocks += self.pool.lookup([child.hash])
+                    num += n
+            self.pool.pin(blocks)
+        finally:
+            self.pool.release(blocks)  # the pins hold their own references
+        return blocks, num
+
+    def unpin(self, blocks) -> None:
+        self.pool.unpin(blocks)
+
     def release(self, match: PrefixMatch) -> None:
         """Give the match's blocks back (idempotent)."""
         blocks, match.blocks = match.blocks, []
