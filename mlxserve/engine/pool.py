@@ -80,6 +80,7 @@ class Entry:
         self.nbytes = 0  # what it counts against --models-memory while resident
         self.error: str | None = None  # why its last load failed
         self.task: asyncio.Future | None = None  # the load or unload under way
+        self.reserved = False  # waiting for its room to be freed: counted as resident already
         self.loads = 0
         # Pinned prefixes (id -> token ids): the engine holds their blocks; these are
         # pinned again after every load, so an unloaded model gets them back.
@@ -271,11 +272,11 @@ class ModelPool:
             await self._make_room(entry)
             loaded, engine, served = await asyncio.to_thread(self._load_blocking, entry)
         except asyncio.CancelledError:
-            entry.state = UNLOADED
+            entry.state, entry.reserved = UNLOADED, False
             self._notify()
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes the requests' error
-            entry.state = UNLOADED
+            entry.state, entry.reserved = UNLOADED, False
             entry.error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             self._notify()
             if not isinstance(e, (ModelUnavailable, ValueError, OSError, EngineDeadError)):
@@ -323,7 +324,8 @@ class ModelPool:
                 changed = self._changed  # a change after this point wakes the wait below
                 victims, why, never = self._plan(entry)
                 if victims is not None:
-                    entry.state = LOADING  # counted from now on
+                    entry.reserved = True  # counted from now on, while the victims unload
+                    entry.nbytes = self._estimate(entry)  # until measured once loaded
                     tasks = [self._begin_unload(v, f"room for {entry.name}") for v in victims]
                     break
                 if never:
@@ -337,11 +339,13 @@ class ModelPool:
                 pass
         # Their memory must be free before the new weights come in.
         await asyncio.gather(*(asyncio.shield(t) for t in tasks))
+        entry.state = LOADING
+        entry.reserved = False
 
     def _plan(self, entry: Entry):
         """(victims, None, False) when unloading `victims` makes room; else (None, why, whether
         it can never fit: the pinned models alone leave no room)."""
-        others = [e for e in self.entries.values() if e is not entry and e.state in RESIDENT]
+        others = [e for e in self.entries.values() if e is not entry and (e.state in RESIDENT or e.reserved)]
         need = self._estimate(entry)
 
         def fits(gone) -> bool:
@@ -372,7 +376,7 @@ class ModelPool:
         if self.memory is None:
             return
         async with self._lock:
-            resident = [e for e in self.entries.values() if e.state in RESIDENT]
+            resident = [e for e in self.entries.values() if e.state in RESIDENT or e.reserved]
             over = sum(e.nbytes for e in resident) - self.memory
             for e in sorted((e for e in resident if e is not entry and e.state == LOADED and not e.refs
                              and not e.pinned), key=lambda e: e.last_used):
