@@ -124,3 +124,130 @@ def test_prefix_cache_pins_full_blocks_and_the_tail(tiny):
     pc.unpin(blocks2)
     pc.unpin(blocks)
     assert pc.pool.stats()["pinned_blocks"] == 0 and pc.pool.stats()["in_use_blocks"] == 0
+
+
+# ---- over HTTP: POST /v1/cache/pin, --pin at start ----
+
+SYSTEM = "You are the build agent. Follow the repository's rules, run the tests, report briefly."
+BLOCK = 8
+BUDGET = 64 * 1024  # 16 blocks of qwen3-tiny's 8 tokens (512 bytes a token)
+
+
+@pytest.fixture(scope="module")
+def pinned_server(tmp_path_factory):
+    import json
+
+    from conftest import LiveServer
+    from mlxserve.api.cache_routes import read_pin_file
+    from mlxserve.config import EngineConfig, ModelConfig
+    from mlxserve.engine.pool import ModelPool, ModelSpec
+
+    pin_file = tmp_path_factory.mktemp("pins") / "pins.json"
+    pin_file.write_text(json.dumps([{"messages": [{"role": "system", "content": SYSTEM}]}]))
+    engine = EngineConfig(block_size=BLOCK, cache_memory=str(BUDGET))
+    pool = ModelPool([ModelSpec("qwen3-tiny", ModelConfig(model="qwen3-tiny", load_format="dummy"), engine)])
+    pool.preload()
+    live = LiveServer(None, pool=pool, pins=read_pin_file(str(pin_file)), pin_file=str(pin_file))
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def http(pinned_server):
+    import httpx
+
+    with httpx.Client(base_url=pinned_server.url, timeout=120) as c:
+        yield c
+
+
+def cached(http, prompt) -> int:
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def flood(http, seed, n=12, length=40):
+    """Other prompts, together several times the cache's budget."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        cached(http, [rng.randrange(1000, 50000) for _ in range(length)])
+
+
+def system_chat_cached(http) -> int:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"task {random.random()}"}]
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "temperature": 0})
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_pin_file_pins_at_start(http):
+    (pin,) = http.get("/v1/cache/pins").json()["data"]
+    assert pin["active"] and pin["model"] == "qwen3-tiny" and pin["tokens"] == pin["prompt_tokens"] > BLOCK
+    stats = http.get("/v1/cache/stats").json()["prefix_cache"]
+    assert stats["pinned_tokens"] == pin["tokens"] and 0 < stats["pinned_bytes"] == pin["bytes"] <= BUDGET
+    assert stats["pins"] == [{k: pin[k] for k in ("id", "tokens", "prompt_tokens", "blocks", "bytes")}]
+    # A conversation under that system prompt restores all of it.
+    assert system_chat_cached(http) >= pin["tokens"]
+
+
+def test_a_pinned_prefix_survives_a_flood_and_goes_once_unpinned(http):
+    prompt = list(range(2000, 2040))  # 5 blocks
+    pin = http.post("/v1/cache/pin", json={"prompt": prompt}).json()
+    assert pin["object"] == "cache.pin" and pin["id"].startswith("pin_") and pin["tokens"] == 40
+    again = http.post("/v1/cache/pin", json={"prompt": prompt, "model": "qwen3-tiny"}).json()
+    assert again["id"] == pin["id"] and len(http.get("/v1/cache/pins").json()["data"]) == 2  # the same pin
+    before = http.get("/v1/cache/stats").json()["prefix_cache"]["evictions"]
+    flood(http, seed=1)
+    stats = http.get("/v1/cache/stats").json()["prefix_cache"]
+    assert stats["evictions"] > before + 20 and stats["bytes"] <= BUDGET
+    assert cached(http, prompt + [7, 8, 9]) == 40
+    assert system_chat_cached(http) > BLOCK  # the pin made at start too
+    r = http.delete(f"/v1/cache/pin/{pin['id']}")
+    assert r.json() == {"id": pin["id"], "object": "cache.pin.deleted", "model": "qwen3-tiny", "deleted": True}
+    assert http.delete(f"/v1/cache/pin/{pin['id']}").status_code == 404
+    flood(http, seed=2)
+    assert cached(http, prompt + [7, 8, 9]) == 0  # evicted like any other prompt
+
+
+def test_reset_keeps_pinned_prefixes(http):
+    stats = http.post("/v1/cache/reset").json()["prefix_cache"]
+    assert stats["blocks"] == stats["pinned_blocks"] > 0 and stats["bytes"] == stats["pinned_bytes"]
+    assert system_chat_cached(http) > BLOCK
+
+
+def test_pin_refusals_say_why(http):
+    r = http.post("/v1/cache/pin", json={"prompt": list(range(3000, 3200))})  # 25 blocks: over the budget
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "cache_budget_exceeded" and f"budget is {BUDGET} bytes" in err["message"]
+    assert "pinned already" in err["message"] and "about 102400 bytes" in err["message"], err
+    bad = [
+        ({"prompt": [1, 2], "messages": [{"role": "system", "content": "x"}]}, "either messages"),
+        ({}, "either messages"),
+        ({"prompt": [1, 10**9]}, "outside the vocabulary"),
+        ({"prompt": [1, 2], "tools": [{"type": "function", "function": {"name": "f"}}]}, "go with messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "text only"),
+        ({"promt": [1, 2]}, "promt"),
+    ]
+    for body, why in bad:
+        r = http.post("/v1/cache/pin", json=body)
+        assert r.status_code == 400 and why in r.json()["error"]["message"], (body, r.text)
+    r = http.post("/v1/cache/pin", json={"model": "nope", "prompt": [1, 2]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = http.post("/v1/cache/pin", json={"prompt": list(range(5000))})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_pin_files_are_checked(tmp_path, pinned_server):
+    import asyncio
+
+    from mlxserve.api.cache_routes import PinRequest, pin_at_start, read_pin_file
+
+    for text, why in (("{", "cannot read it as JSON"), ("{}", "a JSON list"),
+                      ('[{"prompt": [1]}, {"prompt": "x", "colour": 1}]', "[1].colour")):
+        path = tmp_path / "pins.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=why.replace("[", r"\[")):
+            read_pin_file(str(path))
+    with pytest.raises(ValueError, match=r"--pin f\.json: \[0\]: The model 'nope' does not exist"):
+        asyncio.run(pin_at_start(pinned_server.state, [PinRequest(model="nope", prompt=[1])], "f.json"))
