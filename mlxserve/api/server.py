@@ -253,6 +253,9 @@ def serve(models, server_cfg, pool_cfg) -> int:
     try:
         log.info("serving %s on http://%s:%d/v1", ", ".join(pool.entries), server_cfg.host, server_cfg.port)
         server.run()
+    except SystemExit:  # uvicorn's, when the app's start failed
+        if not state.startup_error:
+            raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
