@@ -115,3 +115,28 @@ def content_key(token_ids, block_size: int, extra_keys=None) -> bytes | None:
     h.update(tokens[:block_size].tobytes())
     h.update(_encode(tuple(extra) if extra else ()))
     return h.digest()
+
+
+# ---- what blocks hold: matching a prompt against part of a block ----
+
+def extra_at(extra_keys, j: int):
+    """Block j's extra keys (its media), or None."""
+    return extra_keys[j] if extra_keys and j < len(extra_keys) else None
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two blocks' token arrays share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def media_limit(a, b, n: int) -> int:
+    """The longest m <= n such that the media (extra keys: (hash, offset) pairs) in the
+    first m tokens of two blocks are the same: equal placeholder tokens stand for equal
+    pixels only when the images are too."""
+    def starting_before(keys):
+        return {k for k in keys or () if k[1] < n}
+
+    differ = starting_before(a) ^ starting_before(b)
+    return min([n] + [max(0, k[1]) for k in differ])

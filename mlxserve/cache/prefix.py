@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.cache.blocks import content_key, hash_blocks, tail_key
+from mlxserve.cache.blocks import common_prefix, content_key, extra_at, hash_blocks, media_limit, tail_key
 from mlxserve.cache.layers import (
     KIND_NAMES,
     describe_specs,
@@ -195,7 +195,7 @@ class PrefixCache:
             keep, tail = -(-num // bs), None
             if start % bs == 0 and start < usable:
                 for child, n in self._partial_children(hashes[start // bs - 1] if start else None,
-                                                       token_ids[start:usable], _extra_at(extra_keys, start // bs)):
+                                                       token_ids[start:usable], extra_at(extra_keys, start // bs)):
                     if has_state and n != len(child.token_ids):
                         continue
                     head = blocks[:start // bs]
@@ -338,7 +338,7 @@ class PrefixCache:
         for child in self.pool.children(parent, PARTIAL_CANDIDATES):
             if child.token_ids is None or (parent is None and not self._keyed_here(child)):
                 continue
-            n = _media_limit(child.extra, extra, _common_prefix(child.token_ids, rest))
+            n = media_limit(child.extra, extra, common_prefix(child.token_ids, rest))
             if n > 0:
                 found.append((child, n))
         return sorted(found, key=lambda cn: -cn[1])
@@ -524,7 +524,7 @@ class PrefixCache:
             for j, payload in enumerate(extract(k * bs, end - k), start=k):
                 tokens = np.asarray(token_ids[j * bs : (j + 1) * bs], dtype=np.int32)
                 block = pool.store(hashes[j], hashes[j - 1] if j else None, payload, num_tokens=bs,
-                                   token_ids=tokens, extra=_extra_at(extra_keys, j))
+                                   token_ids=tokens, extra=extra_at(extra_keys, j))
                 if block is None:
                     return done  # later blocks would be unreachable orphans
                 if self.disk is not None:
@@ -536,7 +536,7 @@ class PrefixCache:
         if finished and upto > n_full * bs:
             tail = upto - n_full * bs  # its recurrent state, if any, is where the cache ends: at its end
             done += self._store_tail(hashes[n_full - 1] if n_full else None, token_ids[n_full * bs : upto],
-                                     _extra_at(extra_keys, n_full),
+                                     extra_at(extra_keys, n_full),
                                      lambda: extract(n_full * bs, 1, size=tail, states=True)[0])
         return done
 
@@ -595,24 +595,3 @@ class PrefixCache:
         if self.disk is not None:
             self.disk.clear()
 
-
-def _extra_at(extra_keys, j: int):
-    """Block j's extra keys (its media), or None."""
-    return extra_keys[j] if extra_keys and j < len(extra_keys) else None
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
-
-
-def _media_limit(a, b, n: int) -> int:
-    """The longest m <= n such that the media (extra keys: (hash, offset) pairs) in the
-    first m tokens of two blocks are the same: equal placeholder tokens stand for equal
-    pixels only when the images are too."""
-    def starting_before(keys):
-        return {k for k in keys or () if k[1] < n}
-
-    differ = starting_before(a) ^ starting_before(b)
-    return min([n] + [max(0, k[1]) for k in differ])
