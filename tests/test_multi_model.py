@@ -111,6 +111,18 @@ def test_unknown_model_is_a_404_listing_the_models(http):
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", path
 
 
+def test_administration_needs_the_api_key(multi, http):
+    multi.state.server_cfg.api_key = "sk-admin"  # read per request
+    try:
+        for method, path in (("POST", "/v1/models/qwen3-tiny/unload"), ("POST", "/v1/models/llama-tiny/pin"),
+                             ("POST", "/v1/cache/pin"), ("DELETE", "/v1/cache/pin/pin_x")):
+            assert http.request(method, path, json={"prompt": [1, 2]}).status_code == 401, path
+        ok = http.post("/v1/models/qwen3-tiny/load", headers={"Authorization": "Bearer sk-admin"})
+        assert ok.status_code == 200 and ok.json()["state"] == "loaded"
+    finally:
+        multi.state.server_cfg.api_key = None
+
+
 def test_requests_interleave_and_each_gets_its_model(multi, http, alone):
     """Two requests per model at once, with room for two models: each answer is its model's
     own greedy text, and no more than two models are ever resident."""

@@ -132,9 +132,12 @@ async def list_pins(request: Request):
 
 async def repin(entry) -> None:
     """(pool.on_loaded) Pin a model's prefixes again after it was loaded again."""
+    engine = entry.engine
     for pid, ids in list(entry.prefix_pins.items()):
         try:
-            await entry.engine.pins.pin(pid, ids)
+            await engine.pins.pin(pid, ids)
+            if pid not in entry.prefix_pins:  # unpinned while it was being pinned again
+                await engine.pins.unpin(pid)
         except Exception as e:  # noqa: BLE001 - the model serves anyway; the pin stays listed as inactive
             log.warning("could not pin %s again on %s: %s", pid, entry.name, e)
 

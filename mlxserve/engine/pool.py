@@ -413,6 +413,8 @@ class ModelPool:
         log.info("unloading %s (%s)", entry.name, why)
         try:
             await asyncio.to_thread(_stop, engine)
+        except Exception:  # noqa: BLE001 - the model is gone either way; its requests must not fail
+            log.exception("stopping %s's engine", entry.name)
         finally:
             entry.state = UNLOADED
             self._notify()
