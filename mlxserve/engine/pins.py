@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 from mlxserve.engine.request import Request, SamplingParams
@@ -49,8 +50,15 @@ class Pin:
 
 class PrefixPins:
     def __init__(self, engine):
-        self.engine = engine
+        # A weak reference: engine -> pins -> engine would be a cycle, and an engine in a
+        # cycle lives (with its model's arrays) until the collector runs, maybe at interpreter
+        # exit, where freeing MLX arrays aborts the process (ml-explore/mlx#3126).
+        self._engine = weakref.ref(engine)
         self.pins: dict[str, Pin] = {}  # MLX thread only
+
+    @property
+    def engine(self):
+        return self._engine()
 
     def _cache(self):
         pc = self.engine.prefix_cache
