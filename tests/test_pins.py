@@ -251,3 +251,22 @@ def test_pin_files_are_checked(tmp_path, pinned_server):
             read_pin_file(str(path))
     with pytest.raises(ValueError, match=r"--pin f\.json: \[0\]: The model 'nope' does not exist"):
         asyncio.run(pin_at_start(pinned_server.state, [PinRequest(model="nope", prompt=[1])], "f.json"))
+
+
+def test_a_stopped_engine_is_freed_without_the_collector(tiny):
+    """No reference cycle through the engine's pins: a cycle kept a stopped engine (and its
+    model's arrays) until the collector ran, at interpreter exit, where MLX aborts."""
+    import gc
+    import weakref
+
+    from mlxserve.engine.engine import AsyncEngine
+
+    engine = AsyncEngine(tiny("qwen3-tiny")).start()
+    engine.stop()
+    ref = weakref.ref(engine)
+    gc.disable()
+    try:
+        del engine
+        assert ref() is None
+    finally:
+        gc.enable()
