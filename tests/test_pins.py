@@ -130,7 +130,7 @@ def test_prefix_cache_pins_full_blocks_and_the_tail(tiny):
 
 SYSTEM = "You are the build agent. Follow the repository's rules, run the tests, report briefly."
 BLOCK = 8
-BUDGET = 64 * 1024  # 16 blocks of qwen3-tiny's 8 tokens (512 bytes a token)
+BUDGET = 128 * 1024  # 32 blocks of qwen3-tiny's 8 tokens (512 bytes a token)
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +208,20 @@ def test_a_pinned_prefix_survives_a_flood_and_goes_once_unpinned(http):
     assert cached(http, prompt + [7, 8, 9]) == 0  # evicted like any other prompt
 
 
+def test_pins_take_tools(http):
+    tools = [{"type": "function", "function": {"name": "run_tests", "description": "Run the tests.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    system = [{"role": "system", "content": SYSTEM}]
+    plain = http.post("/v1/cache/pin", json={"messages": system}).json()  # the pin made at start
+    pin = http.post("/v1/cache/pin", json={"messages": system, "tools": tools}).json()
+    assert pin["id"] != plain["id"] and pin["tokens"] > plain["tokens"] + 50  # the template lists the tools
+    flood(http, seed=3)
+    r = http.post("/v1/chat/completions", json={"messages": system + [{"role": "user", "content": "go"}],
+                                                "tools": tools, "max_tokens": 1, "temperature": 0})
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= pin["tokens"]
+    http.delete(f"/v1/cache/pin/{pin['id']}")
+
+
 def test_reset_keeps_pinned_prefixes(http):
     stats = http.post("/v1/cache/reset").json()["prefix_cache"]
     assert stats["blocks"] == stats["pinned_blocks"] > 0 and stats["bytes"] == stats["pinned_bytes"]
@@ -215,11 +229,11 @@ def test_reset_keeps_pinned_prefixes(http):
 
 
 def test_pin_refusals_say_why(http):
-    r = http.post("/v1/cache/pin", json={"prompt": list(range(3000, 3200))})  # 25 blocks: over the budget
+    r = http.post("/v1/cache/pin", json={"prompt": list(range(3000, 3300))})  # 300 tokens: over the budget
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "cache_budget_exceeded" and f"budget is {BUDGET} bytes" in err["message"]
-    assert "pinned already" in err["message"] and "about 102400 bytes" in err["message"], err
+    assert "pinned already" in err["message"] and f"about {300 * 512} bytes" in err["message"], err
     bad = [
         ({"prompt": [1, 2], "messages": [{"role": "system", "content": "x"}]}, "either messages"),
         ({}, "either messages"),
