@@ -6,7 +6,15 @@ import argparse
 import sys
 
 import mlxserve  # noqa: F401 - preloads OpenBLAS before anything imports MLX
-from mlxserve.config import EngineConfig, ModelConfig, ServerConfig, add_arguments, from_namespace
+from mlxserve.config import (
+    EngineConfig,
+    ModelConfig,
+    PoolConfig,
+    ServerConfig,
+    add_arguments,
+    from_namespace,
+    served_models,
+)
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +47,14 @@ def cmd_serve(ns) -> int:
 
     from mlxserve.api.server import serve
 
-    code = serve(from_namespace(ModelConfig, ns), from_namespace(EngineConfig, ns),
-                 from_namespace(ServerConfig, ns))
+    model_cfg, engine_cfg = from_namespace(ModelConfig, ns), from_namespace(EngineConfig, ns)
+    server_cfg, pool_cfg = from_namespace(ServerConfig, ns), from_namespace(PoolConfig, ns)
+    try:
+        models = served_models(model_cfg.model, model_cfg, engine_cfg, server_cfg, pool_cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    code = serve(models, server_cfg, pool_cfg)
     # The server has stopped and its engine thread has ended (queued disk writes included).
     # Leave without the interpreter's teardown: MLX's, after a thread used it, aborts now and
     # then with "terminate called without an active exception" (ml-explore/mlx#3126), which
@@ -86,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="Serve a model over the OpenAI and Anthropic HTTP APIs.")
-    add_arguments(p, ModelConfig, EngineConfig, ServerConfig)
+    p = sub.add_parser("serve", help="Serve models over the OpenAI and Anthropic HTTP APIs: "
+                       "`serve A B C` (or --config FILE) serves several, loaded on demand.")
+    add_arguments(p, ModelConfig, EngineConfig, ServerConfig, PoolConfig, positional="many")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="Complete a prompt and print the text.")

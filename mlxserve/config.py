@@ -187,6 +187,144 @@ class ServerConfig:
     )
 
 
+@dataclass
+class PoolConfig:
+    config: str | None = setting(
+        None,
+        "A TOML file (YAML with pyyaml installed: .yaml/.yml) of models to serve, after those named "
+        "on the command line: [[models]] tables, each with `model` (its source) and any of alias, "
+        "pinned, ttl and the model and engine settings (load_format, dtype, kv_bits, cache_memory, "
+        "...); what a table leaves out comes from the command line's flags.",
+    )
+    max_loaded_models: int | None = setting(
+        None,
+        "Most models loaded at once. A request for another model unloads the least recently used "
+        "idle one (never one serving requests, nor a pinned one) or waits for one to become idle. "
+        "Default: no limit.",
+    )
+    models_memory: str | None = setting(
+        None,
+        "Byte budget of the loaded models, e.g. 8GB or 60%: each counts its weights plus its prefix- "
+        "and vision-cache budgets. A model's weights are known once it was loaded (or from its files); "
+        "one that turns out bigger than guessed makes idle models unload after it. Default: no limit.",
+    )
+    model_ttl: float | None = setting(
+        None, "Unload a model after this many seconds without requests (pinned models stay). Default: never."
+    )
+    model_wait: float = setting(
+        120.0,
+        "Seconds a request for an unloaded model waits for room (for models serving requests to "
+        "become idle) before it is refused with a 503.",
+    )
+    pin: str | None = setting(
+        None,
+        "A JSON file: a list of prefixes to pin at start, each a body of POST /v1/cache/pin "
+        "({model, messages, tools} or {model, prompt}), e.g. agents' fixed system prompts.",
+    )
+
+
+@dataclass
+class ModelEntry:
+    """What one model of several has besides its model and engine settings."""
+
+    alias: str | None = setting(
+        None, "The name requests use for it. Default: its source's name (the first model: --served-model-name)."
+    )
+    pinned: bool = setting(False, "Loaded at start and never unloaded for room or idleness.")
+    ttl: float | None = setting(None, "Its idle seconds before it is unloaded. Default: --model-ttl.")
+
+
+@dataclass
+class ServedModel:
+    """One model to serve: its own entry, how to load it and its engine's settings."""
+
+    entry: ModelEntry
+    model: ModelConfig
+    engine: EngineConfig
+
+
+def served_models(sources, model_cfg: ModelConfig, engine_cfg: EngineConfig, server_cfg: ServerConfig,
+                  pool_cfg: PoolConfig) -> list[ServedModel]:
+    """The models to serve: the command line's `sources`, then --config's entries.
+
+    No source and no file: the embedded default model, as a single-model server
+    always had. Raises ValueError naming the file and entry for a bad entry.
+    """
+    sources = list(sources or [])
+    tables = read_models_file(pool_cfg.config) if pool_cfg.config else []
+    if not sources and not tables:
+        sources = [None]
+    out = [ServedModel(ModelEntry(), dataclasses.replace(model_cfg, model=src), engine_cfg) for src in sources]
+    for i, table in enumerate(tables):
+        where = f"{pool_cfg.config}: models[{i}]"
+        if not isinstance(table, dict):
+            raise ValueError(f"{where}: must be a table of settings, not {type(table).__name__}")
+        parts = {}
+        for cls, base in ((ModelEntry, ModelEntry()), (ModelConfig, model_cfg), (EngineConfig, engine_cfg)):
+            names = {f.name: f for f in dataclasses.fields(cls)}
+            given = {k: _checked(names[k], v, f"{where}.{k}") for k, v in table.items() if k in names}
+            parts[cls] = dataclasses.replace(base, **given)
+        known = {f.name for cls in parts for f in dataclasses.fields(cls)}
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown setting {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        out.append(ServedModel(parts[ModelEntry], parts[ModelConfig], parts[EngineConfig]))
+    if server_cfg.served_model_name and out[0].entry.alias is None:
+        out[0].entry.alias = server_cfg.served_model_name
+    return out
+
+
+def read_models_file(path: str) -> list:
+    """The `models` list of a TOML (or YAML) file."""
+    from pathlib import Path
+
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as e:
+        raise ValueError(f"--config {path}: cannot read it: {e}") from None
+    if path.lower().endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(f"--config {path}: reading YAML needs pyyaml (pip install pyyaml); "
+                             "or write the file as TOML") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config {path}: not valid YAML: {e}") from None
+    else:
+        import tomllib
+
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"--config {path}: not valid TOML: {e}") from None
+    if not isinstance(data, dict) or set(data) - {"models"}:
+        raise ValueError(f"--config {path}: must hold `models` only: a list of tables ([[models]] in TOML)")
+    models = data.get("models")
+    if not isinstance(models, list) or not models:
+        raise ValueError(f"--config {path}: `models` must be a non-empty list of tables")
+    return models
+
+
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+
+
+def _checked(f: dataclasses.Field, value, where: str):
+    """A file's value for setting `f`, checked against its type and choices."""
+    kind, _, none = f.type.partition(" | ")
+    if value is None and none == "None":
+        return None
+    allowed = _TYPES[kind]
+    if not isinstance(value, allowed) or (kind != "bool" and isinstance(value, bool)):
+        what = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}[kind]
+        raise ValueError(f"{where}: must be {what}, not {value!r}")
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{where}: must be one of {', '.join(map(str, choices))}, not {value!r}")
+    return float(value) if kind == "float" else value
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -195,7 +333,8 @@ def add_arguments(parser: argparse.ArgumentParser, *config_classes, positional: 
     """Add one flag per setting of the given config dataclasses.
 
     With positional=False, settings marked positional (the model) become
-    options too, for commands whose own positional argument is a prompt.
+    options too, for commands whose own positional argument is a prompt;
+    with positional="many", the positional takes any number of values (serve A B C).
     """
     for cls in config_classes:
         for f in dataclasses.fields(cls):
@@ -210,9 +349,10 @@ def add_arguments(parser: argparse.ArgumentParser, *config_classes, positional: 
                     action=argparse.BooleanOptionalAction, **kwargs,
                 )
                 continue
-            kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
+            kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(f.type, str)
             if meta.get("positional") and positional:
-                parser.add_argument(f.name, nargs="?", default=default, type=kind, **kwargs)
+                nargs = "*" if positional == "many" else "?"
+                parser.add_argument(f.name, nargs=nargs, default=default, type=kind, **kwargs)
             else:
                 parser.add_argument(_flag(f.name), dest=f.name, default=default, type=kind, **kwargs)
 

@@ -3,7 +3,10 @@
 Each app gets its own CollectorRegistry, so several apps (tests, embedding)
 never collide in the process-wide default registry. Engine state (running and
 waiting requests, steps) is read when Prometheus scrapes, not pushed from the
-MLX thread.
+MLX thread. With several models, engine and cache series are sums over the
+loaded models (a model's counters leave the sums when it is unloaded, which
+Prometheus reads as a counter reset), and `mlxserve_model_loaded` tells which
+models are loaded.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300
 
 
 class Metrics:
-    def __init__(self, engine=None):
+    def __init__(self, engines=None, models=None):
+        """`engines()`: the loaded models' engines; `models()`: (name, state) of every model."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter("mlxserve_requests", "HTTP requests by endpoint and status code.",
                                 ["endpoint", "status"], registry=r)
@@ -42,18 +46,21 @@ class Metrics:
         self.e2e = Histogram("mlxserve_e2e_request_latency_seconds",
                              "Seconds from arrival to the last token of a request.",
                              buckets=E2E_BUCKETS, registry=r)
-        if engine is not None:
+        if engines is not None:
+            # Summed over the loaded models' engines (one series each, as with a single model).
             Gauge("mlxserve_num_requests_running", "Requests in the running batch.",
-                  registry=r).set_function(lambda: engine.num_running)
+                  registry=r).set_function(lambda: sum(e.num_running for e in engines()))
             Gauge("mlxserve_num_requests_waiting", "Requests queued for a slot.",
-                  registry=r).set_function(lambda: engine.num_waiting)
-            Gauge("mlxserve_engine_alive", "1 while the engine loop runs.",
-                  registry=r).set_function(lambda: 1.0 if engine.alive else 0.0)
-            Gauge("mlxserve_engine_steps", "Engine steps since start.",
-                  registry=r).set_function(lambda: engine.steps)
+                  registry=r).set_function(lambda: sum(e.num_waiting for e in engines()))
+            Gauge("mlxserve_engine_alive", "1 while every loaded model's engine loop runs.",
+                  registry=r).set_function(lambda: 1.0 if all(e.alive for e in engines()) else 0.0)
+            Gauge("mlxserve_engine_steps", "Engine steps since start (of the models loaded now).",
+                  registry=r).set_function(lambda: sum(e.steps for e in engines()))
 
-            r.register(PrefixCacheCollector(engine))
-            r.register(VisionCacheCollector(engine))
+            r.register(PrefixCacheCollector(engines))
+            r.register(VisionCacheCollector(engines))
+        if models is not None:
+            r.register(ModelCollector(models))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -67,43 +74,52 @@ class PrefixCacheCollector:
     dicts would not be.
     """
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engines):
+        self.engines = engines
 
     def collect(self):
-        pc = self.engine.prefix_cache
-        if pc is None:
+        caches = [pc for pc in (e.prefix_cache for e in self.engines()) if pc is not None]
+        if not caches:
             return
-        pool = pc.pool
+        pools = [pc.pool for pc in caches]
         yield from _families(
             counters=[
-                ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", pc.queried_tokens),
-                ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.", pc.hit_tokens),
-                ("prefix_cache_evictions", "Blocks evicted to keep the byte budget.", pool.evictions),
+                ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+                 sum(pc.queried_tokens for pc in caches)),
+                ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.",
+                 sum(pc.hit_tokens for pc in caches)),
+                ("prefix_cache_evictions", "Blocks evicted to keep the byte budget.", sum(p.evictions for p in pools)),
             ],
             gauges=[
-                ("prefix_cache_bytes", "Bytes of cached blocks in memory.", pool.nbytes),
-                ("prefix_cache_budget_bytes", "Byte budget of the prefix cache.", pool.budget),
-                ("prefix_cache_blocks", "Cached blocks in memory.", len(pool)),
+                ("prefix_cache_bytes", "Bytes of cached blocks in memory.", sum(p.nbytes for p in pools)),
+                ("prefix_cache_budget_bytes", "Byte budget of the prefix cache.", sum(p.budget for p in pools)),
+                ("prefix_cache_blocks", "Cached blocks in memory.", sum(len(p) for p in pools)),
             ])
-        disk = pc.disk
-        if disk is not None:
+        disks = [pc.disk for pc in caches if pc.disk is not None]
+        if disks:
             yield from _families(
                 counters=[
-                    ("prefix_cache_disk_reads", "Blocks read back from the disk tier.", disk.reads),
-                    ("prefix_cache_disk_writes", "Blocks written to the disk tier.", disk.writes),
-                    ("prefix_cache_disk_evictions", "Block files deleted to keep the disk budget.", disk.evictions),
-                    ("prefix_cache_disk_faults", "Blocks the disk tier could not copy or write.", disk.faults),
+                    ("prefix_cache_disk_reads", "Blocks read back from the disk tier.", sum(d.reads for d in disks)),
+                    ("prefix_cache_disk_writes", "Blocks written to the disk tier.", sum(d.writes for d in disks)),
+                    ("prefix_cache_disk_evictions", "Block files deleted to keep the disk budget.",
+                     sum(d.evictions for d in disks)),
+                    ("prefix_cache_disk_faults", "Blocks the disk tier could not copy or write.",
+                     sum(d.faults for d in disks)),
                     ("prefix_cache_disk_skipped", "Blocks never written: evicted from memory, or the engine "
-                     "was busy for too many.", disk.skipped),
+                     "was busy for too many.", sum(d.skipped for d in disks)),
                     ("prefix_cache_disk_abandoned_tmp", "Temporary files of writes cut short (a crash), "
-                     "deleted at start.", disk.abandoned),
+                     "deleted at start.", sum(d.abandoned for d in disks)),
                 ],
-                gauges=[("prefix_cache_disk_bytes", "Bytes of block files in the disk tier.", disk.bytes)])
+                gauges=[("prefix_cache_disk_bytes", "Bytes of block files in the disk tier.",
+                         sum(d.bytes for d in disks))])
             dropped = CounterMetricFamily("prefix_cache_disk_dropped",
                                           "Block files deleted instead of served: damaged (checksum mismatch), "
                                           "unreadable, old_format (no checksum).", labels=["reason"])
-            for reason, n in list(disk.dropped.items()):  # a fixed set of keys: safe from this thread
+            reasons = {}
+            for d in disks:
+                for reason, n in list(d.dropped.items()):  # a fixed set of keys: safe from this thread
+                    reasons[reason] = reasons.get(reason, 0) + n
+            for reason, n in reasons.items():
                 dropped.add_metric([reason], n)
             yield dropped
 
@@ -111,25 +127,38 @@ class PrefixCacheCollector:
 class VisionCacheCollector:
     """The vision-embedding cache's counters (plain ints, read at scrape time like the prefix cache's)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engines):
+        self.engines = engines
 
     def collect(self):
-        vc = self.engine.vision_cache
-        if vc is None:
+        vcs = [vc for vc in (e.vision_cache for e in self.engines()) if vc is not None]
+        if not vcs:
             return
         yield from _families(
             counters=[
-                ("vision_cache_hits", "Images whose embeddings came from the vision cache.", vc.hits),
-                ("vision_cache_misses", "Images run through the vision tower.", vc.misses),
-                ("vision_cache_evictions", "Entries evicted to keep the byte budget.", vc.evictions),
+                ("vision_cache_hits", "Images whose embeddings came from the vision cache.", sum(v.hits for v in vcs)),
+                ("vision_cache_misses", "Images run through the vision tower.", sum(v.misses for v in vcs)),
+                ("vision_cache_evictions", "Entries evicted to keep the byte budget.", sum(v.evictions for v in vcs)),
                 ("vision_cache_released", "Entries dropped because the prefix cache holds their images' KV.",
-                 vc.releases),
+                 sum(v.releases for v in vcs)),
             ],
             gauges=[
-                ("vision_cache_bytes", "Bytes of cached image embeddings.", vc.bytes),
-                ("vision_cache_entries", "Cached images (or video frame groups).", len(vc.entries)),
+                ("vision_cache_bytes", "Bytes of cached image embeddings.", sum(v.bytes for v in vcs)),
+                ("vision_cache_entries", "Cached images (or video frame groups).", sum(len(v.entries) for v in vcs)),
             ])
+
+
+class ModelCollector:
+    """1 for each model that is loaded, 0 for the others (by name)."""
+
+    def __init__(self, models):
+        self.models = models
+
+    def collect(self):
+        family = GaugeMetricFamily("mlxserve_model_loaded", "1 while the model is loaded.", labels=["model"])
+        for name, state in self.models():
+            family.add_metric([name], 1.0 if state == "loaded" else 0.0)
+        yield family
 
 
 def _families(counters, gauges):

@@ -31,19 +31,26 @@ def run_async(coro):
 class LiveServer:
     """uvicorn serving `create_app` on a free 127.0.0.1 port, in a background thread."""
 
-    def __init__(self, loaded, engine_cfg=None, server_cfg=None):
+    def __init__(self, loaded, engine_cfg=None, server_cfg=None, *, pool=None, pins=(), pin_file=None):
+        """One model (`loaded`), or several: a ModelPool (`pool`), with `pins` made at start."""
         import socket
         import threading
         import time
 
         import uvicorn
 
-        from mlxserve.api.server import create_app
+        from mlxserve.api.server import create_app, create_pool_app
         from mlxserve.config import EngineConfig, ServerConfig
         from mlxserve.engine.engine import AsyncEngine
 
-        self.engine = AsyncEngine(loaded, engine_cfg or EngineConfig())
-        self.app = create_app(self.engine, loaded, server_cfg or ServerConfig())
+        if pool is not None:
+            self.engine = None
+            self.pool = pool
+            self.app = create_pool_app(pool, server_cfg or ServerConfig(), pins, pin_file)
+        else:
+            self.engine = AsyncEngine(loaded, engine_cfg or EngineConfig())
+            self.app = create_app(self.engine, loaded, server_cfg or ServerConfig())
+            self.pool = self.app.state.mlx.pool
         self.state = self.app.state.mlx
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -63,7 +70,7 @@ class LiveServer:
     def close(self) -> None:
         self._server.should_exit = True
         self._thread.join(30)
-        self.engine.stop()
+        self.pool.stop_blocking()
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,10 @@ from mlxserve.api.anthropic_schema import CountTokensRequest, MessagesRequest, C
 from mlxserve.api import images
 from mlxserve.api.constraints import anthropic_grammar, constrain, forces_calls
 from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
-from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect
+from mlxserve.api.generate import Choice, ClientGone, ModelState, Run, collect
+from mlxserve.api.models import served
 from mlxserve.api import thinking
-from mlxserve.api.openai_routes import CLIENT_CLOSED, state_of
+from mlxserve.api.openai_routes import CLIENT_CLOSED
 from mlxserve.api.reasoning import ReasoningSplitter
 from mlxserve.api.sse import SSEResponse, dumps, event
 from mlxserve.api.tokens import render
@@ -130,7 +131,7 @@ def assistant_message(content, where: str) -> dict:
     return message
 
 
-async def prompt_ids(state: ServerState, body: Conversation) -> tuple[list[int], list]:
+async def prompt_ids(state: ModelState, body: Conversation) -> tuple[list[int], list]:
     """Token ids of the conversation and its images (PromptImages)."""
     prepared = await images.prepare(state, image_sources(body), type_name="image")
     placeholders = images.placeholders(state, prepared)
@@ -188,8 +189,7 @@ def usage(choice: Choice) -> dict:
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
     arrival = time.perf_counter()  # time to first token includes templating
-    state = state_of(request)
-    state.check_model(body.model)
+    state = await served(request, body.model)
     check_supported(body)
     prompt, prompt_images = await prompt_ids(state, body)
     rename = {"prompt": "messages", "stop": "stop_sequences"}
@@ -363,8 +363,7 @@ async def message_events(run: Run, head: dict, prompt_tokens: int, stream: ToolC
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
-    state = state_of(request)
-    state.check_model(body.model)
+    state = await served(request, body.model)
     check_supported(body)
     prompt, _ = await prompt_ids(state, body)
     return {"input_tokens": len(prompt)}

@@ -28,29 +28,39 @@ from mlxserve.multimodal.media import MediaLimits  # noqa: E402 - plain Python, 
 
 
 class ServerState:
-    """What the routes share: the engine, the model and the server's lifecycle."""
+    """What every route shares: the model pool and the server's lifecycle (app.state.mlx).
 
-    def __init__(self, engine, loaded, server_cfg, metrics):
-        self.engine = engine
-        self.loaded = loaded
+    Routes work with one model's `ModelState`, which `api/models.served` gives them.
+    """
+
+    def __init__(self, pool, server_cfg, metrics):
+        self.pool = pool
         self.server_cfg = server_cfg
         self.metrics = metrics
-        self.tokenizer = loaded.tokenizer
-        self.token_bytes = TokenBytes(loaded.tokenizer)
-        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
-        self.tool_syntax = tool_syntax(loaded.tokenizer)  # None: no call markup mlx-lm knows
-        self.reasoning = detect_reasoning(loaded.tokenizer)  # None: the model does not reason
-        self.model_name = server_cfg.served_model_name or loaded.name
         self.media_limits = MediaLimits.from_config(server_cfg)
         self.started = int(time.time())
         self.draining = False
+        self.startup_error: str | None = None  # a --pin that failed: the server stops
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
         self._runs: set[asyncio.Queue] = set()
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                           f"'{self.model_name}'.", param="model", code="model_not_found")
+    def model_state(self, entry, loaded, engine) -> "ModelState":
+        """The pool's `build`: a model's state, made in its load thread."""
+        return ModelState(self, engine, loaded, entry.name)
+
+    @property
+    def default(self) -> "ModelState":
+        """The default (first) model's state, while it is loaded."""
+        served = self.pool.default.served
+        if served is None:
+            raise RuntimeError(f"the default model {self.pool.default.name!r} is not loaded")
+        return served
+
+    # The default model's, as with a single model (tests, embedding).
+    engine = property(lambda self: self.default.engine)
+    loaded = property(lambda self: self.default.loaded)
+    tokenizer = property(lambda self: self.default.tokenizer)
+    model_name = property(lambda self: self.pool.default.name)
 
     def end_all(self) -> None:
         """End every in-flight run now (shutdown); each client gets an error event or a 503."""
@@ -58,8 +68,30 @@ class ServerState:
             q.put_nowait(_SHUTDOWN)
 
 
+class ModelState:
+    """What a route needs of the model a request names: its engine, tokenizer and the
+    syntaxes read from it, with the server's settings and lifecycle beside them."""
+
+    def __init__(self, server: ServerState, engine, loaded, name: str):
+        self.server = server
+        self.engine = engine
+        self.loaded = loaded
+        self.model_name = name
+        self.tokenizer = loaded.tokenizer
+        self.token_bytes = TokenBytes(loaded.tokenizer)
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
+        self.tool_syntax = tool_syntax(loaded.tokenizer)  # None: no call markup mlx-lm knows
+        self.reasoning = detect_reasoning(loaded.tokenizer)  # None: the model does not reason
+
+    server_cfg = property(lambda self: self.server.server_cfg)
+    metrics = property(lambda self: self.server.metrics)
+    media_limits = property(lambda self: self.server.media_limits)
+    draining = property(lambda self: self.server.draining)
+    _runs = property(lambda self: self.server._runs)
+
+
 class Run:
-    def __init__(self, state: ServerState, requests: list[Request], rename: dict | None = None):
+    def __init__(self, state: "ModelState", requests: list[Request], rename: dict | None = None):
         if state.draining:
             raise APIError(503, "The server is shutting down.", code="shutting_down")
         self.state = state

@@ -1,4 +1,4 @@
-"""OpenAI API: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI API: /v1/chat/completions, /v1/completions (/v1/models: api/models.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from mlxserve.api import images
 from mlxserve.api.constraints import constrain, forces_calls, openai_grammar
 from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
-from mlxserve.api.generate import Choice, ClientGone, Run, ServerState, collect, usage, visible_logprobs
+from mlxserve.api.generate import Choice, ClientGone, ModelState, Run, ServerState, collect, usage, visible_logprobs
+from mlxserve.api.models import served
 from mlxserve.api.openai_schema import (
     ChatCompletionRequest,
     ChatMessage,
@@ -85,7 +86,7 @@ def sampling_params(body: GenerationFields, *, max_tokens, logprobs: bool, top_l
         raise from_engine(e, rename) from None
 
 
-def engine_requests(state: ServerState, body: GenerationFields, prompts: list[list[int]], *,
+def engine_requests(state: ModelState, body: GenerationFields, prompts: list[list[int]], *,
                     api_id: str, max_tokens, logprobs: bool, top_logprobs: int, rename: dict,
                     arrival: float, images=(), prompt_logprobs: int | None = None) -> list[EngineRequest]:
     """n requests per prompt, prompt-major, so run index == choice index.
@@ -191,7 +192,7 @@ def template_message(m: ChatMessage, i: int, placeholders=None) -> dict:
     return out
 
 
-def chat_logprobs(state: ServerState, lps) -> list[dict]:
+def chat_logprobs(state: ModelState, lps) -> list[dict]:
     tb = state.token_bytes
 
     def entry(token_id, logprob):
@@ -206,8 +207,7 @@ def chat_logprobs(state: ServerState, lps) -> list[dict]:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     arrival = time.perf_counter()
-    state = state_of(request)
-    state.check_model(body.model)
+    state = await served(request, body.model)
     check_chat_supported(body)
     include_usage = check_stream_options(body)
     sources = image_sources(body.messages)
@@ -273,7 +273,7 @@ class ToolCalls:
                  forced: bool = False):
         self.tools = tools
         self.forced = forced  # a grammar of calls: text beside them is a cut-off call's end
-        self.syntax = syntax if tools else None  # the server's (ServerState.tool_syntax)
+        self.syntax = syntax if tools else None  # the model's (ModelState.tool_syntax)
         self.reasoning = reasoning
         self.prompt = prompt
 
@@ -351,7 +351,7 @@ async def openai_stream(run: Run, base: dict, choices: list[Choice], n: int, inc
     yield DONE
 
 
-def chat_events(state: ServerState, run: Run, head: dict, n: int, logprobs: bool,
+def chat_events(state: ModelState, run: Run, head: dict, n: int, logprobs: bool,
                 include_usage: bool, calls: ToolCalls):
     base = {**head, "object": "chat.completion.chunk"}
     if include_usage:
@@ -399,7 +399,7 @@ def check_completion_supported(body: CompletionRequest) -> None:
                           "use n to get several completions", "best_of")
 
 
-def completion_prompts(state: ServerState, prompt) -> list[tuple[list[int], str]]:
+def completion_prompts(state: ModelState, prompt) -> list[tuple[list[int], str]]:
     """(token ids, text) of each prompt: a string, strings, token ids or lists of token ids."""
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -426,7 +426,7 @@ def completion_prompts(state: ServerState, prompt) -> list[tuple[list[int], str]
 class LegacyLogprobs:
     """The completions API's logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
 
-    def __init__(self, state: ServerState, offset: int):
+    def __init__(self, state: ModelState, offset: int):
         self.tb = state.token_bytes
         self.offset = offset  # characters before the next token in the choice's text
 
@@ -452,7 +452,7 @@ class LegacyLogprobs:
         return {k: head[k] + rest[k] for k in head}
 
 
-def echo_logprobs(state: ServerState, prompt_ids: list[int], echo: str, prompt_lps, generated) -> dict:
+def echo_logprobs(state: ModelState, prompt_ids: list[int], echo: str, prompt_lps, generated) -> dict:
     """echo with logprobs: the prompt's entries, then the generated tokens' (from len(echo) on).
 
     The generated part keeps the stop token that ended the choice, as vLLM does: scorers
@@ -466,8 +466,7 @@ def echo_logprobs(state: ServerState, prompt_ids: list[int], echo: str, prompt_l
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     arrival = time.perf_counter()
-    state = state_of(request)
-    state.check_model(body.model)
+    state = await served(request, body.model)
     check_completion_supported(body)
     include_usage = check_stream_options(body)
     prompts = completion_prompts(state, body.prompt)
@@ -518,7 +517,7 @@ async def completions(body: CompletionRequest, request: Request):
     })
 
 
-def completion_events(state: ServerState, run: Run, head: dict, n: int, echoes: list[str],
+def completion_events(state: ModelState, run: Run, head: dict, n: int, echoes: list[str],
                       logprobs: bool, include_usage: bool, scored_prompts: list[list[int]] | None = None):
     """scored_prompts (echo with logprobs): each choice's echo waits for its prompt's logprobs."""
     base = dict(head)
@@ -548,22 +547,3 @@ def completion_events(state: ServerState, run: Run, head: dict, n: int, echoes: 
                 yield chunk(i, out.new_text, finish=out.finish_reason, lps=lps)
 
     return openai_stream(run, base, choices, n, include_usage, chunks())
-
-
-# ---- models ----
-
-def model_card(state: ServerState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": state.started,
-            "owned_by": "mlxserve", "max_model_len": state.engine.max_model_len}
-
-
-@router.get("/v1/models")
-async def list_models(request: Request):
-    return {"object": "list", "data": [model_card(state_of(request))]}
-
-
-@router.get("/v1/models/{model:path}")
-async def get_model(model: str, request: Request):
-    state = state_of(request)
-    state.check_model(model)
-    return model_card(state)

@@ -20,6 +20,7 @@ from mlxserve.api import images
 from mlxserve.api.constraints import constrain, forces_calls, openai_grammar
 from mlxserve.api.errors import APIError
 from mlxserve.api.generate import Choice, ClientGone, Run, collect
+from mlxserve.api.models import served
 from mlxserve.api.reasoning import ReasoningSplitter
 from mlxserve.api.openai_routes import (
     CLIENT_CLOSED,
@@ -265,8 +266,7 @@ class Output:
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
     arrival = time.perf_counter()
-    state = state_of(request)
-    state.check_model(body.model)
+    state = await served(request, body.model)
     check_supported(body)
     store = store_of(request)
     history = previous_conversation(store, body)

@@ -17,11 +17,10 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse, Response
 
 import mlxserve
-from mlxserve.api import anthropic_routes, errors, openai_routes, responses_routes, web
+from mlxserve.api import anthropic_routes, cache_routes, errors, models, openai_routes, responses_routes, web
 from mlxserve.api.errors import APIError, error_response
 from mlxserve.api.generate import ServerState
-from mlxserve.engine.engine import EngineDeadError
-from mlxserve.engine.request import EngineStalledError
+from mlxserve.engine.pool import ModelPool, ModelSpec
 from mlxserve.metrics import CONTENT_TYPE_LATEST, Metrics
 
 log = logging.getLogger("mlxserve.api")
@@ -33,26 +32,42 @@ log = logging.getLogger("mlxserve.api")
 
 
 def create_app(engine, loaded, server_cfg) -> FastAPI:
-    """The app for one engine. The engine starts and stops with the app's lifespan."""
-    metrics = Metrics(engine)
-    state = ServerState(engine, loaded, server_cfg, metrics)
+    """The app for one engine (tests, embedding). The engine starts and stops with the app."""
+    name = server_cfg.served_model_name or loaded.name
+    return create_pool_app(ModelPool.of_engine(engine, loaded, name), server_cfg)
+
+
+def create_pool_app(pool: ModelPool, server_cfg, pins=(), pin_file: str | None = None) -> FastAPI:
+    """The app for a pool of models; their engines start and stop with the app's lifespan,
+    and the `pins` (bodies of POST /v1/cache/pin, from `pin_file`) are made at start."""
+    metrics = Metrics(pool.loaded_engines, lambda: [(e.name, e.state) for e in pool.entries.values()])
+    state = ServerState(pool, server_cfg, metrics)
+    pool.attach(state.model_state)
+    pool.on_loaded = cache_routes.repin
 
     @asynccontextmanager
     async def lifespan(app):
         state.loop = asyncio.get_running_loop()
-        await asyncio.to_thread(engine.start)  # no-op if already started
+        await pool.start()
+        try:
+            await cache_routes.pin_at_start(state, list(pins), pin_file)
+        except ValueError as e:
+            log.error("%s", e)
+            state.startup_error = str(e)
+            await pool.stop()
+            raise
         yield
         state.draining = True
         state.end_all()
-        await asyncio.to_thread(engine.stop)
+        await pool.stop()
 
     app = FastAPI(title="mlxserve", version=mlxserve.__version__, lifespan=lifespan)
     app.state.mlx = state
     errors.install(app)
-    app.include_router(openai_routes.router)
-    app.include_router(anthropic_routes.router)
-    app.include_router(responses_routes.router)
-    app.include_router(web.router)  # the page at / and its stats
+    routers = [openai_routes.router, anthropic_routes.router, responses_routes.router, models.router,
+               cache_routes.router, web.router]  # web: the page at / and its stats
+    for router in routers:
+        app.include_router(router)
     backend = mlx_backend()
 
     @app.get("/health")
@@ -61,34 +76,31 @@ def create_app(engine, loaded, server_cfg) -> FastAPI:
         --step-timeout) or dead. Read without the MLX thread, so a stalled engine still answers."""
         if state.draining:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
-        info = engine.health()
-        return JSONResponse(info, status_code=200 if info["status"] == "ok" else 503)
+        infos = {name: e.engine.health() for name, e in pool.entries.items()
+                 if e.engine is not None and e.state == "loaded"}
+        bad = next(((name, i) for name, i in infos.items() if i["status"] != "ok"), None)
+        if bad is not None:  # a stalled or dead engine: 503, naming the model when there are several
+            name, info = bad
+            if len(pool.entries) > 1 and "reason" in info:
+                info = {**info, "reason": f"{name}: {info['reason']}"}
+            return JSONResponse({**info, "model": name}, status_code=503)
+        if len(pool.entries) == 1 and infos:
+            return next(iter(infos.values()))
+        return {"status": "ok", "models": infos}
 
     @app.get("/version")
     async def version_info():
+        default = pool.default
         return {"version": mlxserve.__version__, "mlx": package_version("mlx"),
-                "mlx_lm": package_version("mlx-lm"), **backend,
-                "model": state.model_name, "fingerprint": loaded.fingerprint}
-
-    @app.get("/v1/cache/stats")
-    async def cache_stats():
-        try:
-            return await engine.cache_stats()
-        except (EngineDeadError, EngineStalledError) as e:  # the MLX thread cannot answer now
-            raise errors.from_engine(e) from None
-
-    @app.post("/v1/cache/reset")
-    async def cache_reset():
-        try:
-            return await engine.reset_cache()
-        except (EngineDeadError, EngineStalledError) as e:
-            raise errors.from_engine(e) from None
+                "mlx_lm": package_version("mlx-lm"), **backend, "model": default.name,
+                "fingerprint": default.loaded.fingerprint if default.loaded is not None else None,
+                "models": list(pool.entries)}
 
     @app.get("/metrics")
     async def metrics_text():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    routes = [*openai_routes.router.routes, *anthropic_routes.router.routes, *app.routes]
+    routes = [r for router in routers for r in router.routes] + app.routes
     app.add_middleware(Gate, state=state, paths={getattr(r, "path", None) for r in routes} - {None})
     return app
 
@@ -116,6 +128,7 @@ class Gate:
                 status = message["status"]
             await send(message)
 
+        scope[models.LEASES] = []  # the models the request holds (api/models.served)
         try:
             refused = self.refuse(scope)
             if refused is not None:
@@ -123,6 +136,8 @@ class Gate:
             else:
                 await self.app(scope, limit_body(receive, self.mlx.server_cfg.max_request_bytes), send_and_count)
         finally:
+            # The response has been sent (streams too): the request no longer holds its model.
+            models.release(self.mlx, scope)
             route = getattr(scope.get("route"), "path", None)  # set by the router when matched
             endpoint = route or (scope["path"] if scope["path"] in self.paths else "other")
             self.mlx.metrics.requests.labels(endpoint, str(status)).inc()
@@ -186,33 +201,38 @@ def mlx_backend() -> dict:
     return {"backend": backend, "device": str(mx.default_device())}
 
 
-def serve(model_cfg, engine_cfg, server_cfg) -> int:
-    """Load the model, start the engine and serve HTTP until SIGINT/SIGTERM; returns 0.
+def serve(models, server_cfg, pool_cfg) -> int:
+    """Load the default (and pinned) models, start their engines and serve HTTP until
+    SIGINT/SIGTERM; returns 0 (2 for a bad setting or model, 1 for an engine that fails to start).
 
-    On the first signal the server stops accepting connections, lets in-flight
-    requests finish for `server_cfg.shutdown_timeout` seconds, then ends the rest cleanly (an SSE
-    error event and [DONE], or a 503) and exits. A second signal ends them at once.
+    `models` are config.ServedModel (config.served_models). On the first signal the
+    server stops accepting connections, lets in-flight requests finish for
+    `server_cfg.shutdown_timeout` seconds, then ends the rest cleanly (an SSE error
+    event and [DONE], or a 503) and exits. A second signal ends them at once.
     """
     import uvicorn
 
-    from mlxserve.engine.engine import AsyncEngine
+    from mlxserve.cache.sizes import parse_size
+    from mlxserve.engine.engine import EngineDeadError
     from mlxserve.models.files import ModelLoadError
-    from mlxserve.models.load import load
 
     logging.basicConfig(level=server_cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        loaded = load(model_cfg.model, load_format=model_cfg.load_format, dtype=model_cfg.dtype,
-                      quantize_bits=model_cfg.quantize, seed=model_cfg.dummy_seed)
-    except (ModelLoadError, ValueError) as e:
+        memory = parse_size(pool_cfg.models_memory) if pool_cfg.models_memory else None
+        pool = ModelPool([ModelSpec.of(m, pool_cfg.model_ttl) for m in models],
+                         max_loaded=pool_cfg.max_loaded_models, memory=memory, wait_s=pool_cfg.model_wait)
+        pins = cache_routes.read_pin_file(pool_cfg.pin) if pool_cfg.pin else []
+    except ValueError as e:
         log.error("%s", e)
         return 2
     try:
-        engine = AsyncEngine(loaded, engine_cfg).start()
-    except EngineDeadError as e:
+        pool.preload()
+    except (EngineDeadError, ModelLoadError, ValueError) as e:
         log.error("%s", e)
-        return 1
-    app = create_app(engine, loaded, server_cfg)
+        pool.stop_blocking()
+        return 1 if isinstance(e, EngineDeadError) else 2
+    app = create_pool_app(pool, server_cfg, pins, pool_cfg.pin)
     state = app.state.mlx
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port,
                             log_level=server_cfg.log_level,
@@ -237,10 +257,13 @@ def serve(model_cfg, engine_cfg, server_cfg) -> int:
     # was in place before: make that a no-op so a clean shutdown exits with 0.
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        log.info("serving %s on http://%s:%d/v1", state.model_name, server_cfg.host, server_cfg.port)
+        log.info("serving %s on http://%s:%d/v1", ", ".join(pool.entries), server_cfg.host, server_cfg.port)
         server.run()
+    except SystemExit:  # uvicorn's, when the app's start failed
+        if not state.startup_error:
+            raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        engine.stop()
-    return 0
+        pool.stop_blocking()
+    return 2 if state.startup_error else 0

@@ -16,7 +16,7 @@ import hashlib
 from dataclasses import replace
 
 from mlxserve.api.errors import bad_request
-from mlxserve.api.generate import Run, ServerState
+from mlxserve.api.generate import ModelState, Run
 from mlxserve.engine.request import Request as EngineRequest
 
 # Anthropic's floor for budget_tokens.
@@ -70,7 +70,7 @@ class BudgetedRun:
     tokens count on, and only the last output is finished.
     """
 
-    def __init__(self, state: ServerState, request: EngineRequest, budget_tokens: int, rename: dict):
+    def __init__(self, state: ModelState, request: EngineRequest, budget_tokens: int, rename: dict):
         self.state = state
         self.syntax = state.reasoning
         self.requests = [request]

@@ -117,6 +117,11 @@ def content_key(token_ids, block_size: int, extra_keys=None) -> bytes | None:
     return h.digest()
 
 
+def extra_at(extra_keys, j: int):
+    """Block j's extra keys (its media), or None."""
+    return extra_keys[j] if extra_keys and j < len(extra_keys) else None
+
+
 def block_key(token_ids, block_size: int, *, fingerprint: str, extra=None, parent: bytes | None = None) -> bytes:
     """The key a block holding `token_ids` after `parent` gets: a full block's chained key,
     or a partial block's `tail_key`."""

@@ -13,6 +13,11 @@ shorter, never broken).
 Blocks in use (ref count > 0) are never evicted; their ancestors are in use
 too, since a lookup acquires whole chains from the root.
 
+A pinned block (`pin`, for a fixed system prompt kept for good) holds one
+reference per pin, so eviction passes it over like any block in use, and
+`reset` keeps it. Pins take whole chains from the root too, so what stays is
+always reachable.
+
 Each parent's cached children are indexed (newest first) with the tokens they
 hold, so a prompt that parts from a cached chain midway through a block can
 still use that block's first tokens.
@@ -43,6 +48,7 @@ class Block:
     nbytes: int
     num_tokens: int
     ref_count: int = 0
+    pins: int = 0  # of ref_count, the references pins hold (kept across reset)
     children: int = 0  # cached children: a block with children is not evictable
     last_used: int = 0
     cached: bool = True  # False once out of the index (evicted, or reset while in use)
@@ -68,6 +74,7 @@ class BlockPool:
         self._free_bytes = 0  # cached blocks with ref count 0
         self._in_use = 0
         self._detached = 0
+        self._pinned: dict[bytes, Block] = {}  # blocks with pins > 0
         # Keys of recently evicted blocks, so a miss can be told apart from an
         # eviction (a budget too small) from a prompt never seen.
         self._ghosts: OrderedDict[bytes, None] = OrderedDict()
@@ -117,6 +124,29 @@ class BlockPool:
                 raise ValueError("a block was released more often than it was acquired")
         # Tail first: the tail gets the older stamp, as in vLLM's free queue.
         for block in reversed(blocks):
+            self._release_one(block)
+
+    def pin(self, blocks) -> None:
+        """Keep blocks (acquired by the caller, who still releases its own references) until
+        `unpin`: each pin holds a reference of its own, so eviction never takes them."""
+        blocks = list(blocks)
+        if any(not b.cached for b in blocks):
+            raise ValueError("only cached blocks can be pinned")
+        for block in blocks:
+            self._acquire(block)
+            block.pins += 1
+            self._pinned[block.hash] = block
+
+    def unpin(self, blocks) -> None:
+        """Give back the references `pin` took; the blocks are evictable again once free."""
+        blocks = list(blocks)
+        for block in blocks:
+            if block.pins <= 0:
+                raise ValueError("a block was unpinned more often than it was pinned")
+        for block in reversed(blocks):
+            block.pins -= 1
+            if not block.pins:
+                del self._pinned[block.hash]
             self._release_one(block)
 
     def _acquire(self, block: Block) -> None:
@@ -273,16 +303,26 @@ class BlockPool:
 
     def reset(self) -> None:
         """Drop every free block. Blocks in use leave the index at once (no new
-        request finds them) and their memory goes when they are released."""
+        request finds them) and their memory goes when they are released.
+        Pinned blocks stay (whole chains from the root: they stay reachable)."""
+        kept = self._pinned
         for block in list(self._blocks.values()):
+            if block.hash in kept:
+                continue
             block.cached = False
             if block.ref_count:
                 self._detached += 1
             else:
                 self.nbytes -= block.nbytes
-        self._blocks.clear()
+        self._blocks = dict(kept)
         self._children_of.clear()
-        self._heap.clear()
+        for block in kept.values():
+            block.children = 0
+        for block in kept.values():
+            self._children_of.setdefault(block.parent, {})[block.hash] = None
+            if block.parent is not None:
+                self._blocks[block.parent].children += 1
+        self._heap.clear()  # every kept block is in use: none is evictable
         self._free_bytes = 0
         self._ghosts.clear()
         self._roots.clear()
@@ -304,7 +344,10 @@ class BlockPool:
             "tokens": sum(b.num_tokens for b in self._blocks.values()),
             "bytes": self.nbytes,
             "budget": self.budget,
-            "in_use_blocks": self._in_use,
+            "in_use_blocks": self._in_use,  # pinned blocks included
+            "pinned_blocks": len(self._pinned),
+            "pinned_tokens": sum(b.num_tokens for b in self._pinned.values()),
+            "pinned_bytes": sum(b.nbytes for b in self._pinned.values()),
             "free_bytes": self._free_bytes,
             "detached_blocks": self._detached,
             "stored_blocks": self.stored,

@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.cache.blocks import block_key, content_key, hash_blocks, overlap
+from mlxserve.cache.blocks import block_key, content_key, extra_at, hash_blocks, overlap
 from mlxserve.cache.from_disk import read_chain, read_children
 from mlxserve.cache.layers import (
     KIND_NAMES,
@@ -198,7 +198,7 @@ class PrefixCache:
             keep, tail = -(-num // bs), None
             if start % bs == 0 and start < usable:
                 parent, rest = hashes[start // bs - 1] if start else None, token_ids[start:usable]
-                extra = _extra_at(extra_keys, start // bs)
+                extra = extra_at(extra_keys, start // bs)
                 children = self._partial_children(parent, rest, extra)
                 if from_disk and self._read_children(parent, rest, extra, children, has_state):
                     children = self._partial_children(parent, rest, extra)
@@ -402,6 +402,35 @@ class PrefixCache:
             self._fault("restore", e)
             return None
 
+    # ---- pins ----
+
+    def pin(self, token_ids) -> tuple[list, int]:
+        """Pin the cached blocks that hold `token_ids` from its start: its full blocks (from
+        disk too), then the cached block that continues them furthest into the rest (a
+        finished prompt's tail). Returns (the blocks, how many tokens of `token_ids` they
+        hold); give them back with `unpin`. Unlike `match`, nothing is held back for the
+        last token: a pinned prefix is the start of later prompts, not a prompt."""
+        if self.disabled:
+            raise ValueError(f"the prefix cache is off for this model: {self.disabled}")
+        bs = self.block_size
+        hashes = hash_blocks(token_ids, bs, fingerprint=self.fingerprint)
+        blocks = self._lookup(hashes)
+        try:
+            num = len(blocks) * bs
+            if len(blocks) == len(hashes) and num < len(token_ids):
+                found = self._partial_children(hashes[-1] if hashes else None, token_ids[num:], None)
+                if found:
+                    child, n = found[0]
+                    blocks += self.pool.lookup([child.hash])
+                    num += n
+            self.pool.pin(blocks)
+        finally:
+            self.pool.release(blocks)  # the pins hold their own references
+        return blocks, num
+
+    def unpin(self, blocks) -> None:
+        self.pool.unpin(blocks)
+
     def release(self, match: PrefixMatch) -> None:
         """Give the match's blocks back (idempotent)."""
         blocks, match.blocks = match.blocks, []
@@ -502,7 +531,7 @@ class PrefixCache:
             for j, payload in enumerate(extract(k * bs, end - k), start=k):
                 tokens = np.asarray(token_ids[j * bs : (j + 1) * bs], dtype=np.int32)
                 block = pool.store(hashes[j], hashes[j - 1] if j else None, payload, num_tokens=bs,
-                                   token_ids=tokens, extra=_extra_at(extra_keys, j))
+                                   token_ids=tokens, extra=extra_at(extra_keys, j))
                 if block is None:
                     return done  # later blocks would be unreachable orphans
                 if self.disk is not None:
@@ -514,7 +543,7 @@ class PrefixCache:
         if finished and upto > n_full * bs:
             tail = upto - n_full * bs  # its recurrent state, if any, is where the cache ends: at its end
             done += self._store_tail(hashes[n_full - 1] if n_full else None, token_ids[n_full * bs : upto],
-                                     _extra_at(extra_keys, n_full),
+                                     extra_at(extra_keys, n_full),
                                      lambda: extract(n_full * bs, 1, size=tail, states=True)[0])
         return done
 
@@ -578,8 +607,3 @@ class PrefixCache:
         self.pool.reset()
         if self.disk is not None:
             self.disk.clear()
-
-
-def _extra_at(extra_keys, j: int):
-    """Block j's extra keys (its media), or None."""
-    return extra_keys[j] if extra_keys and j < len(extra_keys) else None

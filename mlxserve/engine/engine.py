@@ -24,6 +24,7 @@ from typing import AsyncIterator
 from mlxserve.config import EngineConfig
 from mlxserve.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
 from mlxserve.engine.guard import Watchdog, kv_budget_for
+from mlxserve.engine.pins import PrefixPins
 from mlxserve.engine.request import (
     EngineError,
     EngineStalledError,
@@ -85,6 +86,7 @@ class AsyncEngine:
         self._ready = threading.Event()
         self.fatal_error: str | None = None
         self._stopping = False  # the MLX thread is shutting down: take no new work
+        self._release_model = False  # set by stop(release_model=True)
         self.prefix_cache = None  # a PrefixCache, made on the MLX thread when enabled
         self.vision_cache = None  # a VisionCache, for vision-language models
         self.num_running = 0
@@ -92,6 +94,7 @@ class AsyncEngine:
         self.steps = 0  # engine steps that had work
         self.kv_budget = None  # a KVBudget, made on the MLX thread (engine/guard.py)
         self.watchdog = Watchdog(self.config.step_timeout, self._on_stall)
+        self.pins = PrefixPins(self)  # pinned prefixes (engine/pins.py)
 
     # ---- lifetime ----
     def start(self) -> "AsyncEngine":
@@ -109,8 +112,12 @@ class AsyncEngine:
             self.watchdog.start()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0, release_model: bool = False) -> None:
+        """Stop the MLX thread. `release_model` (unloading one model of several): the thread
+        also drops the engine's reference to the model, so that, once its owner has dropped
+        its own, the weights are freed on the thread that used them (see `_run`)."""
         if self._thread is not None and self._thread.is_alive():
+            self._release_model = release_model
             self._commands.put(("stop", None))
             self._thread.join(timeout)
 
@@ -223,6 +230,8 @@ class AsyncEngine:
 
         pc, vc = self.prefix_cache, self.vision_cache
         stats = {"prefix_cache": {"enabled": pc is not None, **(pc.stats() if pc else {})}}
+        if pc is not None:
+            stats["prefix_cache"]["pins"] = [p.describe() for p in self.pins.pins.values()]
         if self.loaded.vision is not None:
             stats["vision_cache"] = {"enabled": vc is not None, **(vc.stats() if vc else {})}
         # Beside the caches' own byte counts, all MLX holds (weights, running KV, caches), read
@@ -430,7 +439,10 @@ class AsyncEngine:
                     self.prefix_cache.disk.close()  # what is queued gets written
                 except Exception:  # noqa: BLE001 - the rest of the cleanup must run
                     log.exception("closing the disk tier")
+            self.pins.pins.clear()  # their blocks' arrays go with the cache, here
             scheduler = self.prefix_cache = self.vision_cache = None
+            if self._release_model:
+                self.loaded = None
             gc.collect()
             if scheduler_ran:  # a failed start queued no GPU work; synchronizing anyway made the
                 _finish_gpu_work()  # process abort at exit in MLX's teardown (ml-explore/mlx#3126)

@@ -13,6 +13,7 @@ DEFAULT_CONTEXT_LENGTH = 4096
 # Files a model folder needs; Hugging Face downloads fetch only these.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
 DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_DUMMY = "qwen3-0.6b"  # the shape of --load-format dummy without a source
 
 
 @dataclass
@@ -65,7 +66,7 @@ def load(
     if quantize_bits not in (None, 4, 8):
         raise ValueError(f"quantize_bits must be 4 or 8, not {quantize_bits}")
     if load_format == "dummy":
-        return load_dummy(source or "qwen3-0.6b", dtype, quantize_bits, seed)
+        return load_dummy(source or DEFAULT_DUMMY, dtype, quantize_bits, seed)
     if load_format != "auto":
         raise ValueError(f"load_format must be 'auto' or 'dummy', not {load_format!r}")
 
@@ -74,7 +75,7 @@ def load(
     key = "default" if source in (None, "") else source
     if key in BUILTINS:
         folder = builtin_model_dir(key, dtype=dtype, progress=progress)
-        return load_folder(folder, BUILTINS[key].name, key, None, quantize_bits)
+        return load_folder(folder, served_name(source), key, None, quantize_bits)
 
     path = Path(source).expanduser()
     if source.lower().endswith(".gguf"):
@@ -83,11 +84,11 @@ def load(
         if not path.is_file():
             raise ModelLoadError(f"{source}: no such GGUF file")
         folder = convert_gguf_cached(path, dtype=dtype or default_dtype(), progress=progress)
-        return load_folder(folder, path.name.removesuffix(".gguf"), source, None, quantize_bits)
+        return load_folder(folder, served_name(source), source, None, quantize_bits)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{source}: the folder has no config.json, so it is not an MLX model folder")
-        return load_folder(path, path.resolve().name, source, dtype, quantize_bits)
+        return load_folder(path, served_name(source), source, dtype, quantize_bits)
 
     tried = [
         f"not a folder ({path.resolve()} does not exist)",
@@ -99,7 +100,31 @@ def load(
     if source in SHAPES:
         tried.append(f"{source!r} is a dummy shape: pass load_format='dummy' (--load-format dummy) for it")
     folder = hub_download(source, tried, progress)
-    return load_folder(folder, source, source, dtype, quantize_bits)
+    return load_folder(folder, served_name(source), source, dtype, quantize_bits)
+
+
+def served_name(source: str | None, load_format: str = "auto") -> str:
+    """The name `load` gives the model of `source`, known without loading it (so a server
+    can list, and route requests to, models it has not loaded yet)."""
+    if load_format == "dummy":
+        from mlxserve.models.shapes import SHAPES
+
+        source = source or DEFAULT_DUMMY
+        if source in SHAPES:
+            return source
+        path = Path(source).resolve()
+        return path.parent.name if path.with_suffix("").name == "config" else path.with_suffix("").name
+    from mlxserve.models.embedded import BUILTINS
+
+    key = "default" if source in (None, "") else source
+    if key in BUILTINS:
+        return BUILTINS[key].name
+    path = Path(source).expanduser()
+    if source.lower().endswith(".gguf"):
+        return path.name.removesuffix(".gguf")
+    if path.is_dir():
+        return path.resolve().name
+    return source  # a Hugging Face repo id
 
 
 def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
@@ -122,9 +147,7 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
         {"config": config, "seed": seed, "dtype": dtype, "bits": quantize_bits, "init": INIT_VERSION},
         sort_keys=True,
     )
-    name = source if source in SHAPES else Path(source).resolve().with_suffix("").name
-    if name == "config":
-        name = Path(source).resolve().parent.name
+    name = served_name(source, "dummy")
     tokenizer = load_tokenizer(default_tokenizer_dir())
     materialize(model)
     return LoadedModel(
