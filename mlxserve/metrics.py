@@ -54,6 +54,7 @@ class Metrics:
 
             r.register(PrefixCacheCollector(engine))
             r.register(VisionCacheCollector(engine))
+            r.register(SpeculationCollector(engine))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -122,6 +123,29 @@ class VisionCacheCollector:
                 ("vision_cache_bytes", "Bytes of cached image embeddings.", vc.bytes),
                 ("vision_cache_entries", "Cached images (or video frame groups).", len(vc.entries)),
             ])
+
+
+class SpeculationCollector:
+    """Speculative decoding's counters (plain ints, read at scrape time like the prefix cache's)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        spec = self.engine.speculation
+        if spec is None:
+            return
+        s = spec.stats
+        yield from _families(
+            counters=[
+                ("spec_decode_verify_passes", "Forward passes that checked draft tokens.", s.passes),
+                ("spec_decode_draft_tokens", "Draft tokens proposed and checked.", s.drafted),
+                ("spec_decode_accepted_tokens", "Draft tokens accepted (equal to the model's own token).",
+                 s.accepted),
+                ("spec_decode_emitted_tokens", "Tokens emitted by verify passes (accepted drafts plus the "
+                 "model's token after them).", s.emitted),
+            ],
+            gauges=[("spec_decode_acceptance_rate", "Accepted / draft tokens since start.", s.acceptance_rate)])
 
 
 def _families(counters, gauges):

@@ -188,13 +188,16 @@ def serve(model_cfg, engine_cfg, server_cfg) -> int:
 
     from mlxserve.engine.engine import AsyncEngine, EngineDeadError
     from mlxserve.models.files import ModelLoadError
-    from mlxserve.models.load import load
+    from mlxserve.models.load import load, load_draft
 
     logging.basicConfig(level=server_cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         loaded = load(model_cfg.model, load_format=model_cfg.load_format, dtype=model_cfg.dtype,
                       quantize_bits=model_cfg.quantize, seed=model_cfg.dummy_seed)
+        if model_cfg.draft_model:
+            load_draft(loaded, model_cfg.draft_model, load_format=model_cfg.load_format, dtype=model_cfg.dtype,
+                       quantize_bits=model_cfg.quantize, seed=model_cfg.dummy_seed)
     except (ModelLoadError, ValueError) as e:
         log.error("%s", e)
         return 2
