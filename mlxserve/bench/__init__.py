@@ -1,8 +1,8 @@
-"""Benchmarks: `mlxserve bench engine | serve | prefix | multimodal | grammar`."""
+"""Benchmarks: `mlxserve bench engine | serve | prefix | multimodal | grammar | spec`."""
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import engine, grammar, multimodal, prefix, serve
+    from mlxserve.bench import engine, grammar, multimodal, prefix, serve, spec
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
@@ -10,3 +10,4 @@ def add_bench_parsers(parser) -> None:
     prefix.add_parser(sub)
     multimodal.add_parser(sub)
     grammar.add_parser(sub)
+    spec.add_parser(sub)
