@@ -421,3 +421,12 @@ def test_draft_model_loads_like_the_model(tiny):
     target = load("qwen3-tiny", load_format="dummy", progress=False)
     draft = load_draft(target, "llama-tiny", load_format="dummy", progress=False)
     assert target.draft is draft and draft.name == "llama-tiny"
+
+
+def test_the_python_api_takes_a_draft_model():
+    from mlxserve import LLM
+
+    with LLM("qwen3-tiny", load_format="dummy", draft_model="qwen3-tiny", prefix_cache=False) as llm:
+        out = llm.generate([list(range(100, 140))], greedy(20))[0]
+        stats = llm.engine.speculation.stats
+    assert len(out.token_ids) == 20 and stats.accepted == stats.drafted > 0  # the same weights: all accepted
