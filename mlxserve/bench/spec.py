@@ -19,6 +19,7 @@ measures its cost when it does not hit).
 from __future__ import annotations
 
 import asyncio
+import datetime
 import sys
 import time
 
@@ -105,7 +106,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="Interleaved passes; the best of each is kept.")
     p.add_argument("--dtype", default=None)
     p.add_argument("--out-dir", default="benchmarks")
-    p.set_defaults(func=run)
+    p.add_argument("--rerender", metavar="JSON", help="Only write the markdown of an earlier result again.")
+    p.set_defaults(func=lambda a: rerender(a.rerender) if a.rerender else run(a))
 
 
 async def _one(engine, prompt, params):
@@ -187,6 +189,13 @@ def bench(args) -> dict:
             "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}
 
 
+def passes(row: dict, mode: str) -> int:
+    """Forward passes the model ran to decode the row's tokens after the first (one per token
+    without speculation; a verify pass emits several). Unlike tok/s, no load on the machine moves it."""
+    m = row["modes"][mode]
+    return row["output_tokens"] - 1 - m.get("emitted_tokens", 0) + m.get("verify_passes", 0)
+
+
 def _acceptance(r: dict) -> str:
     return f"{r['accepted_tokens'] / r['draft_tokens']:.0%}" if r.get("draft_tokens") else "-"
 
@@ -201,7 +210,8 @@ def summary(result: dict) -> dict:
             seconds = sum((r["output_tokens"] - 1) / r["modes"][mode]["tok_s"] for r in rows)
             drafted = sum(r["modes"][mode].get("draft_tokens", 0) for r in rows)
             accepted = sum(r["modes"][mode].get("accepted_tokens", 0) for r in rows)
-            out[(kind, mode)] = {"tok_s": tokens / seconds, "draft_tokens": drafted, "accepted_tokens": accepted}
+            out[(kind, mode)] = {"tok_s": tokens / seconds, "draft_tokens": drafted, "accepted_tokens": accepted,
+                                 "passes_per_token": sum(passes(r, mode) for r in rows) / tokens}
         for mode in result["modes"]:
             out[(kind, mode)]["speedup"] = out[(kind, mode)]["tok_s"] / out[(kind, result["modes"][0])]["tok_s"]
     return out
@@ -217,36 +227,68 @@ def report_text(result: dict, info: dict, command: str) -> str:
               f"at most {result['max_tokens']} output tokens (EOS ends sooner), prefix cache off; "
               f"{result['num_draft_tokens']} draft tokens per pass, n-gram size {result['ngram_size']}; best of "
               f"{result['repeats']} interleaved pass(es). Decode tok/s: the tokens after the first over the time "
-              "from the first to the last (prefill is the same in every mode). Acceptance: draft tokens equal to "
-              "the model's own. Same: the tokens equal those without speculation.\n")
+              "from the first to the last (prefill is the same in every mode). Passes: the model's forward passes "
+              "for those tokens (a verify pass checks the drafts and emits several; its cost grows with its "
+              "length). Acceptance: draft tokens equal to the model's own. Same: the tokens equal those "
+              "without speculation.\n")
+    if "load_average" in info:
+        md.append(f"Load average (1 min) at the start and end of the run: {info['load_average']}.\n")
     s = summary(result)
-    md.append(report.table(["prompts", "mode", "decode tok/s", "vs off", "acceptance"],
-                           [[kind, mode, v["tok_s"], f"{v['speedup']:.2f}x", _acceptance(v)]
-                            for (kind, mode), v in s.items()]))
+    md.append(report.table(["prompts", "mode", "decode tok/s", "vs off", "passes per token", "acceptance"],
+                           [[kind, mode, v["tok_s"], f"{v['speedup']:.2f}x", f"{v['passes_per_token']:.2f}",
+                             _acceptance(v)] for (kind, mode), v in s.items()]))
     md.append("")
     headers = ["prompt", "prompt tokens", "output tokens"]
     for mode in modes:
-        headers += [f"{mode} tok/s"] + ([] if mode == "off" else [f"{mode} vs off", f"{mode} acceptance",
-                                                                 f"{mode} same"])
+        headers += [f"{mode} tok/s", f"{mode} passes"] + ([] if mode == "off" else [
+            f"{mode} vs off", f"{mode} acceptance", f"{mode} same"])
     lines = []
     for r in result["rows"]:
         off = r["modes"][modes[0]]["tok_s"]
         line = [f"{r['kind']}/{r['name']}", r["prompt_tokens"], r["output_tokens"]]
         for mode in modes:
             m = r["modes"][mode]
-            line += [m["tok_s"]] + ([] if mode == "off" else [f"{m['tok_s'] / off:.2f}x", _acceptance(m),
-                                                              "yes" if m["same"] else "NO"])
+            line += [m["tok_s"], passes(r, mode)] + ([] if mode == "off" else [
+                f"{m['tok_s'] / off:.2f}x", _acceptance(m), "yes" if m["same"] else "NO"])
         lines.append(line)
     md.append(report.table(headers, lines))
     return "\n".join(md) + "\n"
+
+
+def _load_average() -> str:
+    import os
+
+    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"
 
 
 def run(args) -> int:
     from mlxserve.bench import report
 
     info = report.machine()
+    start = _load_average()  # a shared machine's other work moves tok/s (not the passes)
     result = bench(args)
-    text = report_text(result, info, "mlxserve bench spec " + " ".join(sys.argv[3:]))
+    info["load_average"] = f"{start}, {_load_average()} ({info['cores']} cores)"
+    info["command"] = "mlxserve bench spec " + " ".join(sys.argv[3:])
+    info["date"] = datetime.datetime.now().isoformat(timespec="seconds")
+    text = report_text(result, info, info["command"])
     print(text)
     report.write_result("spec", info, text, result, None, args.out_dir)
     return 0
+
+
+def rerender(json_path) -> None:
+    """Write an earlier result's markdown again from its JSON (e.g. after the report gained a column)."""
+    from pathlib import Path
+
+    from mlxserve.bench import report
+
+    data = report.load_json(json_path)
+    info = data["info"]
+    md = Path(json_path).with_suffix(".md")
+    old = md.read_text().splitlines() if md.is_file() else []
+    # Results written before the JSON kept them: the date and command from the markdown.
+    for key in ("date", "command"):
+        line = next((x for x in old if x.startswith(f"- {key}: ")), None)
+        if key not in info and line:
+            info[key] = line.split(": ", 1)[1].strip("`")
+    md.write_text(report_text(data["results"], info, info.get("command", "mlxserve bench spec")))
