@@ -430,3 +430,26 @@ def test_the_python_api_takes_a_draft_model():
         out = llm.generate([list(range(100, 140))], greedy(20))[0]
         stats = llm.engine.speculation.stats
     assert len(out.token_ids) == 20 and stats.accepted == stats.drafted > 0  # the same weights: all accepted
+
+
+def test_bench_spec_runs_and_reports(tmp_path):
+    import argparse
+
+    from mlxserve.bench import spec as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["spec", "--model", "dummy:qwen3-tiny", "--draft-model", "dummy:qwen3-tiny",
+                              "--max-tokens", "12", "--out-dir", str(tmp_path)])
+    assert args.func(args) == 0
+    (md,) = tmp_path.glob("*.md")
+    text = md.read_text()
+    assert "commit:" in text and "load_average:" in text
+    rows = [line for line in text.splitlines() if line.startswith("| edit/") or line.startswith("| free/")]
+    assert len(rows) == 5 and all(line.count("| yes |") == 2 for line in rows)  # ngram and draft: same tokens
+    # The draft equals the model (same shape and seed): every draft accepted.
+    assert all(line.split("|")[-3].strip() == "100%" for line in rows)
+    date = next(line for line in text.splitlines() if line.startswith("- date:"))
+    args = parser.parse_args(["spec", "--rerender", str(md.with_suffix(".json"))])
+    args.func(args)
+    assert md.read_text() == text and date in md.read_text()
