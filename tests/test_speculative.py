@@ -383,6 +383,22 @@ def test_sliding_window_models_speculate_inside_the_window(tiny):
         plain.stop()
 
 
+def test_a_sliding_window_draft_stops_when_its_window_is_full(tiny):
+    """A draft whose window (16) fills first stops proposing (its cache could not be rewound any
+    more); the model goes on decoding, with the same tokens."""
+    loaded = tiny("qwen3-tiny")
+    prompt = [100, 101, 102]
+    plain = AsyncEngine(loaded, EngineConfig()).start()
+    engine = AsyncEngine(with_draft(loaded, tiny("gemma3-tiny")), EngineConfig(num_draft_tokens=3)).start()
+    try:
+        assert run(engine, prompt, greedy(40)) == run(plain, prompt, greedy(40))
+        s = engine.speculation.stats
+        assert 0 < s.passes <= 16 - len(prompt)  # each pass emits at least one token of the 16 it may hold
+    finally:
+        engine.stop()
+        plain.stop()
+
+
 def test_settings_that_cannot_work_are_refused(tiny):
     from mlxserve.engine.engine import EngineDeadError
 
@@ -393,8 +409,9 @@ def test_settings_that_cannot_work_are_refused(tiny):
             AsyncEngine(loaded, cfg).start()
     with pytest.raises(EngineDeadError, match="exclude each other"):
         AsyncEngine(with_draft(loaded, loaded), EngineConfig(speculative="ngram")).start()
-    with pytest.raises(EngineDeadError, match="cannot be rewound"):
+    with pytest.raises(EngineDeadError, match="lfm2-tiny: its ArraysCache layers cannot be rewound"):
         AsyncEngine(with_draft(loaded, tiny("lfm2-tiny")), EngineConfig()).start()
+
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny):

@@ -86,7 +86,8 @@ def _layers(cache) -> list:
 
 
 def rewind_blocker(model) -> str | None:
-    """Why the model's cache cannot drop a verify pass's rejected tokens, or None if it can."""
+    """Why the model's cache cannot drop a verify pass's rejected tokens, or None if it can
+    (sliding-window layers can, until their window is full: see `window_room`)."""
     bad = sorted({type(c).__name__ for c in _layers(make_prompt_cache(model))
                   if not c.is_trimmable() or isinstance(c, ChunkedKVCache)})
     if not bad:
@@ -148,14 +149,25 @@ class DraftProposer:
         self.vocab_rows = vocab_rows  # the target's: a draft beyond them ends the proposal
         self.held: list[int] = []
         self.base = 0  # held[:base] is certainly the sequence's; past it, drafts the target may have rejected
+        # A draft with sliding-window layers stops for good once what it would feed no longer
+        # fits their window: past it, its cache could not be rewound.
+        self.full = False
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
+        if self.full:
+            return []
         keep = self.base
         while keep < min(len(self.held), len(tokens)) and self.held[keep] == tokens[keep]:
             keep += 1
         trim_prompt_cache(self.cache, len(self.held) - keep)
         del self.held[keep:]
         todo = tokens[keep:]
+        room = window_room(self.cache)
+        if room is not None:  # the cache grows by todo and k - 1 drafts, and must trim after
+            if len(todo) > room:
+                self.full = True
+                return []
+            k = min(k, room - len(todo) + 1)
         if len(todo) > self.chunk_size:
             chunk = todo[:self.chunk_size]
             self.model(mx.array(chunk)[None], cache=self.cache)
@@ -181,7 +193,7 @@ class DraftProposer:
         return drafts
 
     def expects(self, tokens: list[int]) -> bool:
-        return True  # a draft model always proposes
+        return not self.full  # a draft model proposes at every step while it can
 
 
 class SequenceSpeculation:
