@@ -367,6 +367,16 @@ def test_recurrent_models_turn_it_off_and_say_so(tiny, shape, caplog):
         engine.stop()
 
 
+def test_vision_language_models_turn_it_off_and_say_so(tiny, caplog):
+    with caplog.at_level(logging.WARNING, logger="mlxserve.engine"):
+        engine = AsyncEngine(tiny("llava-tiny"), EngineConfig(speculative="ngram")).start()
+    try:
+        assert engine.speculation is None
+        assert any("speculative decoding off: vision-language" in r.message for r in caplog.records)
+    finally:
+        engine.stop()
+
+
 def test_sliding_window_models_speculate_inside_the_window(tiny):
     """gemma3-tiny's window is 16 tokens: a short prompt speculates until the window is full,
     then decodes one token at a time; the tokens are those of decoding without it."""
