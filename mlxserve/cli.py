@@ -38,7 +38,8 @@ def _llm(ns):
     model_cfg = from_namespace(ModelConfig, ns)
     engine_cfg = from_namespace(EngineConfig, ns)
     return LLM(model_cfg.model, load_format=model_cfg.load_format, dtype=model_cfg.dtype,
-               quantize=model_cfg.quantize, dummy_seed=model_cfg.dummy_seed, **vars(engine_cfg))
+               quantize=model_cfg.quantize, dummy_seed=model_cfg.dummy_seed, draft_model=model_cfg.draft_model,
+               **vars(engine_cfg))
 
 
 def cmd_serve(ns) -> int:
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("convert", help="Write any model source (GGUF, dummy, ...) as a plain MLX folder.")
-    add_arguments(p, ModelConfig)
+    add_arguments(p, ModelConfig, exclude={"draft_model"})
     p.add_argument("--out-dir", required=True, help="The MLX folder to write.")
     p.set_defaults(func=cmd_convert)
 

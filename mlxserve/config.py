@@ -38,6 +38,12 @@ class ModelConfig:
         None, "Quantize dummy weights to this many bits (4 or 8).", choices=(4, 8)
     )
     dummy_seed: int = setting(0, "Seed of the random weights of --load-format dummy.")
+    draft_model: str | None = setting(
+        None,
+        "Draft model for speculative decoding (turns it on): any model source, loaded like the "
+        "model (same --load-format, --dtype, --quantize, --dummy-seed); it must have the model's "
+        "vocabulary. See --num-draft-tokens.",
+    )
 
 
 @dataclass
@@ -147,6 +153,20 @@ class EngineConfig:
         True,
         "Decode a lone request with a lean single-sequence loop (like mlx-lm's "
         "generate_step) and move it into the batch when others arrive.",
+    )
+    speculative: str | None = setting(
+        None,
+        "Speculative decoding for a request that runs alone (the lone path): ngram proposes the "
+        "tokens that followed the last --ngram-size tokens' latest earlier occurrence in the prompt "
+        "or output (code and JSON edits repeat the prompt); draft: a --draft-model proposes. The "
+        "model checks all proposals in one pass and keeps those equal to its own tokens, so the "
+        "output is unchanged. Off for batched and grammar-constrained requests and for models "
+        "whose cache cannot be rewound (recurrent layers). Default: off, or draft with --draft-model.",
+        choices=("ngram", "draft"),
+    )
+    num_draft_tokens: int = setting(4, "Most tokens proposed per verify pass of speculative decoding.")
+    ngram_size: int = setting(
+        3, "--speculative ngram: tokens matched to find an earlier occurrence to copy from."
     )
 
 
@@ -329,8 +349,9 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser, *config_classes, positional: bool = True) -> None:
-    """Add one flag per setting of the given config dataclasses.
+def add_arguments(parser: argparse.ArgumentParser, *config_classes, positional: bool = True,
+                  exclude: set[str] = frozenset()) -> None:
+    """Add one flag per setting of the given config dataclasses (but those in `exclude`).
 
     With positional=False, settings marked positional (the model) become
     options too, for commands whose own positional argument is a prompt;
@@ -338,6 +359,8 @@ def add_arguments(parser: argparse.ArgumentParser, *config_classes, positional: 
     """
     for cls in config_classes:
         for f in dataclasses.fields(cls):
+            if f.name in exclude:
+                continue
             meta = f.metadata
             kwargs = {"help": meta["help"].replace("%", "%%")}  # argparse %-formats help
             if "choices" in meta:

@@ -68,7 +68,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **settings):
-        from mlxserve.models.load import load
+        from mlxserve.models.load import load, load_draft
 
         model_cfg, engine_cfg = split_kwargs({"model": model, **settings}, ModelConfig, EngineConfig)
         self.loaded = load(
@@ -78,6 +78,9 @@ class LLM:
             quantize_bits=model_cfg.quantize,
             seed=model_cfg.dummy_seed,
         )
+        if model_cfg.draft_model:
+            load_draft(self.loaded, model_cfg.draft_model, load_format=model_cfg.load_format,
+                       dtype=model_cfg.dtype, quantize_bits=model_cfg.quantize, seed=model_cfg.dummy_seed)
         self.tokenizer = self.loaded.tokenizer
         self.engine = AsyncEngine(self.loaded, engine_cfg).start()
 

@@ -59,6 +59,7 @@ class Metrics:
 
             r.register(PrefixCacheCollector(engines))
             r.register(VisionCacheCollector(engines))
+            r.register(SpeculationCollector(engines))
         if models is not None:
             r.register(ModelCollector(models))
 
@@ -159,6 +160,31 @@ class ModelCollector:
         for name, state in self.models():
             family.add_metric([name], 1.0 if state == "loaded" else 0.0)
         yield family
+
+
+class SpeculationCollector:
+    """Speculative decoding's counters (plain ints, read at scrape time like the prefix cache's)."""
+
+    def __init__(self, engines):
+        self.engines = engines
+
+    def collect(self):
+        stats = [e.speculation.stats for e in self.engines() if e.speculation is not None]
+        if not stats:
+            return
+        from mlxserve.engine.speculative import SpecStats
+
+        s = SpecStats.summed(stats)  # over the loaded models, as the other series
+        yield from _families(
+            counters=[
+                ("spec_decode_verify_passes", "Forward passes that checked draft tokens.", s.passes),
+                ("spec_decode_draft_tokens", "Draft tokens proposed and checked.", s.drafted),
+                ("spec_decode_accepted_tokens", "Draft tokens accepted (equal to the model's own token).",
+                 s.accepted),
+                ("spec_decode_emitted_tokens", "Tokens emitted by verify passes (accepted drafts plus the "
+                 "model's token after them).", s.emitted),
+            ],
+            gauges=[("spec_decode_acceptance_rate", "Accepted / draft tokens since start.", s.acceptance_rate)])
 
 
 def _families(counters, gauges):

@@ -1,8 +1,8 @@
-"""Benchmarks: `mlxserve bench engine | serve | prefix | multimodal | grammar | crash | soak`."""
+"""Benchmarks: `mlxserve bench engine | serve | prefix | multimodal | grammar | crash | soak | spec`."""
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import crash, engine, grammar, multimodal, prefix, serve, soak
+    from mlxserve.bench import crash, engine, grammar, multimodal, prefix, serve, soak, spec
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
@@ -12,3 +12,4 @@ def add_bench_parsers(parser) -> None:
     grammar.add_parser(sub)
     crash.add_parser(sub)
     soak.add_parser(sub)
+    spec.add_parser(sub)

@@ -85,10 +85,11 @@ def result_path(kind: str, backend: str, out_dir: str | Path = "benchmarks") -> 
 
 
 def header(title: str, info: dict, command: str) -> str:
-    lines = [f"# {title}", "", f"- commit: `{info.get('commit') or commit()}`",
-             f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+    # A result written again from its JSON keeps the date it was measured (info["date"]).
+    date = info.get("date") or datetime.datetime.now().isoformat(timespec="seconds")
+    lines = [f"# {title}", "", f"- commit: `{info.get('commit') or commit()}`", f"- date: {date}",
              f"- command: `{command}`"]
-    lines += [f"- {k}: {v}" for k, v in info.items() if k != "commit"]
+    lines += [f"- {k}: {v}" for k, v in info.items() if k not in ("commit", "date", "command")]
     return "\n".join(lines) + "\n"
 
 

@@ -89,6 +89,7 @@ class AsyncEngine:
         self._release_model = False  # set by stop(release_model=True)
         self.prefix_cache = None  # a PrefixCache, made on the MLX thread when enabled
         self.vision_cache = None  # a VisionCache, for vision-language models
+        self.speculation = None  # a Speculation (engine/speculative.py) when it is on
         self.num_running = 0
         self.num_waiting = 0
         self.steps = 0  # engine steps that had work
@@ -346,6 +347,7 @@ class AsyncEngine:
         from mlxserve.engine.runner import Runner
         from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
         from mlxserve.engine.scheduler import Scheduler
+        from mlxserve.engine.speculative import make_speculation
         from mlxserve.models.families import prefill_batch_size, unbatchable_layers
 
         cfg = self.config
@@ -387,12 +389,14 @@ class AsyncEngine:
             log.warning("batching off: mlx-lm cannot batch %s layers; requests run one at a time",
                         ", ".join(unbatchable))
             max_num_seqs = 1
+        solo_path = cfg.solo_fast_path or bool(unbatchable)
+        self.speculation = make_speculation(cfg, self.loaded, solo_path=solo_path)
         runner = Runner(
             self.loaded.model,
             max_num_seqs=max_num_seqs,
             prefill_chunk_size=cfg.prefill_chunk_size,
             prefill_batch_size=prefill_batch_size(self.loaded.config, cfg.prefill_batch_size),
-            solo_fast_path=cfg.solo_fast_path or bool(unbatchable),
+            solo_fast_path=solo_path,
             prefix_cache=self.prefix_cache,
             vision=self.loaded.vision,
             vision_cache=self.vision_cache,
@@ -400,6 +404,7 @@ class AsyncEngine:
             kv_bits=cfg.kv_bits,
             dequantize_kv=dequantize_kv,
             keep_image_embeddings=cfg.keep_image_embeddings,
+            speculation=self.speculation,
         )
         self.kv_budget = kv_budget_for(self.loaded.model, cfg, dequantize_kv, self.prefix_cache, self.vision_cache)
         scheduler = Scheduler(

@@ -293,11 +293,14 @@ class ModelPool:
 
     def _load_blocking(self, entry: Entry):
         """(worker thread) Load the weights, start the engine, build the API's state."""
-        from mlxserve.models.load import load
+        from mlxserve.models.load import load, load_draft
 
         m = entry.spec.model
         loaded = load(m.model, load_format=m.load_format, dtype=m.dtype, quantize_bits=m.quantize,
                       seed=m.dummy_seed)
+        if m.draft_model:  # speculative decoding's proposer, loaded the same way
+            load_draft(loaded, m.draft_model, load_format=m.load_format, dtype=m.dtype,
+                       quantize_bits=m.quantize, seed=m.dummy_seed)
         engine = AsyncEngine(loaded, entry.spec.engine).start()
         try:
             served = self.build(entry, loaded, engine) if self.build is not None else None

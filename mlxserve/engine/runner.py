@@ -6,7 +6,8 @@ path instead, `SoloDecoder`, which does what mlx-lm's `generate_step` does:
 the batch machinery (padding masks, per-row bookkeeping, splitting logprobs)
 makes a lone sequence decode 1.5-1.7x slower on a GPU. When a second request
 arrives, the solo sequence moves into the batch with its KV cache, at a token
-boundary, and carries on there.
+boundary, and carries on there. With speculative decoding on, the solo path
+verifies proposed tokens several at a time (engine/speculative.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
+from mlx_lm.models.cache import trim_prompt_cache
 
 from mlxserve.cache import chunked
 from mlxserve.cache.quantized import make_cache, set_dequantize
@@ -26,6 +28,7 @@ from mlxserve.engine.media import MediaPrefill
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import top_logprobs
 from mlxserve.engine.scoring import PromptScorer
+from mlxserve.engine.speculative import verify
 from mlxserve.models import llama4_batch
 
 log = logging.getLogger("mlxserve.engine")
@@ -101,7 +104,7 @@ class SoloDecoder:
     """One sequence, prefilled in chunks and decoded like `generate_step`."""
 
     def __init__(self, model, seq: Sequence, chunk_size: int, cache, prefix_cache=None, prefilled=None,
-                 prompt_inputs=None):
+                 prompt_inputs=None, spec=None):
         self.model = model
         # For prompts with images: prompt_inputs(start, end) gives the model's extra inputs
         # (embeddings, positions) for prompt tokens [start, end); prompt_inputs.end is where they stop.
@@ -120,7 +123,13 @@ class SoloDecoder:
         self.penalties = seq.processors[:-1] if self.grammar else seq.processors
         self.context = mx.array(self.in_cache) if self.penalties and self.in_cache else None
         self.pending = None  # (token, logprobs) sampled but not yet emitted
-        self.unfed: int | None = None  # the first token: emitted, not yet in the cache
+        self.unfed: int | None = None  # the last token emitted, not yet in the cache nor queued
+        # Speculation (a SequenceSpeculation), or None. A verify pass needs the last token on
+        # the host before it is built, so while the proposer expects to hit, no one-token pass
+        # is queued ahead (`speculating`); history is every token known: prompt and output.
+        self.spec = spec
+        self.speculating = False
+        self.history = list(prompt) if spec is not None else None
 
     def _extend_context(self, tokens: mx.array) -> None:
         if self.penalties:
@@ -157,19 +166,23 @@ class SoloDecoder:
         self.todo = self.todo[n:]
         self.store_blocks()
 
-    def step(self) -> TokenEvent | None:
+    def step(self) -> list[TokenEvent]:
         with mx.stream(generation_stream):
-            if self.unfed is not None:  # the first token, emitted: feed it back, then pipeline
+            if self.unfed is not None:  # a token emitted, not fed: verify drafts after it, or feed it and pipeline
+                if self.spec is not None:
+                    events = self._speculate()
+                    if events:
+                        return events
                 self.pending = self._forward(mx.array([self.unfed]))
                 self.in_cache.append(self.unfed)
                 self.unfed = None
-                return self._emit(pipeline=True)
+                return [self._emit(pipeline=True)]
             if self.pending is not None:  # decoding
-                return self._emit(pipeline=True)
+                return [self._emit(pipeline=True)]
             n = self.seq.cut(len(self.in_cache), self.chunk_size)
             if len(self.todo) > n:  # prefill one chunk
                 self._prefill_chunk(n)
-                return None
+                return []
             # The rest of the prompt fits one chunk: its forward pass ends with the
             # logits of the last prompt token, the first output token. (generate_step
             # runs the last token as a pass of its own: one more step of latency.)
@@ -184,22 +197,60 @@ class SoloDecoder:
             event = self._emit(pipeline=False)
             if not event.finish_reason:
                 self.unfed = event.token
-            return event
+            return [event]
 
     def _emit(self, pipeline: bool) -> TokenEvent:
+        """Emit the pending token. pipeline: go on decoding (the next pass is queued before the
+        token is read, as generate_step does, unless a verify pass comes next); else stop there."""
         token_arr, row = self.pending
         seq = self.seq
         last = seq.num_generated + 1 >= seq.max_tokens
-        if pipeline and not last:
-            # Queue the next step before reading this token, as generate_step does.
+        if pipeline and not last and not self.speculating:
             self.pending = self._forward(token_arr)
         else:
             self.pending = None
         token = token_arr.item()
         seq.num_generated += 1
+        event = _event(seq, token, seq.finish_reason(token), row)
         if self.pending is not None:
             self.in_cache.append(token)
-        return _event(seq, token, seq.finish_reason(token), row)
+        elif pipeline and not event.finish_reason:
+            self.unfed = token  # the next step feeds it, with drafts after it
+        if self.spec is not None:
+            self.history.append(token)
+            self.speculating = self.spec.expects(self.history)
+        return event
+
+    def _speculate(self) -> list[TokenEvent]:
+        """One verify pass over the unfed token and the proposer's drafts: emits the drafts
+        that equal the model's own tokens and the token after them (none when nothing is
+        proposed), and trims the cache back to the tokens before the last one emitted."""
+        seq = self.seq
+        drafts = self.spec.drafts(self.history, seq.max_tokens - seq.num_generated - 1, self.cache)
+        self.speculating = bool(drafts)
+        if not drafts:
+            return []
+        fed = [self.unfed] + drafts
+        tokens, logprobs, keys, context = verify(self.model, self.cache, fed, seq, self.penalties, self.context)
+        events = []
+        for i, token in enumerate(tokens):
+            seq.num_generated += 1
+            events.append(_event(seq, token, seq.finish_reason(token), logprobs[i]))
+            if events[-1].finish_reason or i == len(drafts) or token != drafts[i]:
+                break
+        m = len(events)
+        # The cache keeps what was fed before the last emitted token: the unfed one and m - 1 drafts.
+        if trim_prompt_cache(self.cache, len(fed) - m) != len(fed) - m:  # drafts() keeps within what trims
+            raise RuntimeError("speculative decoding: the cache could not drop the rejected tokens")
+        self.in_cache += fed[:m]
+        self.history += tokens[:m]
+        if self.penalties:
+            self.context = context[:context.size - len(fed) + m]
+        if keys is not None:
+            seq.sampler.key = keys[m - 1]  # the draws of the tokens emitted, as if made one per step
+        self.unfed = None if events[-1].finish_reason else tokens[m - 1]
+        self.spec.count(len(drafts), sum(t == d for t, d in zip(tokens[:m], drafts)), m)
+        return events
 
     def store_blocks(self, finished: bool = False) -> None:
         """Hand every full block now in the cache to the prefix cache (and the partial block
@@ -236,8 +287,9 @@ class Runner:
     def __init__(self, model, *, max_num_seqs: int, prefill_chunk_size: int,
                  prefill_batch_size: int, solo_fast_path: bool = True, prefix_cache=None,
                  vision=None, vision_cache=None, vision_step_s: float = 0.02, kv_bits: int | None = None,
-                 dequantize_kv: bool = False, keep_image_embeddings: bool = False):
+                 dequantize_kv: bool = False, keep_image_embeddings: bool = False, speculation=None):
         self.model = model
+        self.speculation = speculation  # engine/speculative.py's Speculation, for the solo path, or None
         self.kv_bits = kv_bits  # quantized KV (full-attention layers), or None
         self.dequantize_kv = dequantize_kv  # attention reads that KV dequantized (cache/quantized.py)
         self.prefix_cache = prefix_cache  # a PrefixCache, or None when caching is off
@@ -317,8 +369,9 @@ class Runner:
     def _start(self, seq: Sequence, cache, prefilled: int, prompt_inputs=None) -> list[TokenEvent]:
         """Run a sequence whose first `prefilled` prompt tokens are in `cache`."""
         if self._solo_free():
+            spec = self.speculation.for_sequence(seq) if self.speculation is not None else None
             self.solo = SoloDecoder(self.model, seq, self.prefill_chunk_size, cache, self.prefix_cache, prefilled,
-                                    prompt_inputs)
+                                    prompt_inputs, spec)
             return []
         events = []
         if self.solo is not None:
@@ -372,14 +425,12 @@ class Runner:
         if self.scoring:
             events += self._scoring_step()
         if self.solo is not None:
-            event = self.solo.step()
-            if event is None:
-                return events
-            if event.finish_reason:
+            solo_events = self.solo.step()
+            if solo_events and solo_events[-1].finish_reason:
                 self.solo.store_blocks(finished=True)  # generated tokens too
                 self._release_embeddings(self.solo.seq)
                 self.solo = None
-            return events + [event]
+            return events + solo_events
         if not self.batch:
             return events
         return events + self._batch_step()

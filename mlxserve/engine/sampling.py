@@ -9,7 +9,6 @@ a seeded request then draws the same tokens whatever else runs beside it.
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
@@ -18,7 +17,47 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 from mlxserve.engine.grammar import GrammarProcessor
 from mlxserve.engine.request import SamplingParams
 
-Sampler = Callable[[mx.array], mx.array]
+
+class Sampler:
+    """Draws one token per call from a row of logprobs, with the request's own PRNG key.
+
+    Each call splits the key once, so the n-th token of a request is drawn with
+    the n-th key whichever path computes it (solo, batch, or a speculative
+    verify pass that draws several tokens at once: see `draws`).
+    """
+
+    def __init__(self, params: SamplingParams, vocab_size: int):
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        self.key = mx.random.key(seed)
+        self.inv_temp = 1.0 / params.temperature
+        self.top_k = params.top_k if 0 < params.top_k < vocab_size else 0
+        self.min_p = params.min_p
+        self.top_p = params.top_p
+
+    def _draw(self, logprobs: mx.array, key: mx.array) -> mx.array:
+        if self.top_k:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        if self.min_p > 0:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        if self.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        return mx.random.categorical(logprobs * self.inv_temp, key=key)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self.key, draw = mx.random.split(self.key)
+        return self._draw(logprobs, draw)
+
+    def draws(self, logprobs: mx.array) -> tuple[mx.array, list[mx.array]]:
+        """One token per row of `logprobs` (n, V), row i drawn with the key the i-th of n
+        successive calls would use; the sampler's own key does not move. Returns the
+        tokens and, per row, the key after that row's draw: setting `key` to keys[m - 1]
+        keeps the first m draws, as if only those m calls had been made."""
+        key, tokens, keys = self.key, [], []
+        for i in range(logprobs.shape[0]):
+            key, draw = mx.random.split(key)
+            tokens.append(self._draw(logprobs[i:i + 1], draw))
+            keys.append(key)
+        return mx.concatenate(tokens), keys
 
 
 def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
@@ -28,22 +67,7 @@ def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
     """
     if params.greedy:
         return None
-    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
-    key = [mx.random.key(seed)]
-    inv_temp = 1.0 / params.temperature
-    top_k = params.top_k if 0 < params.top_k < vocab_size else 0
-
-    def sample(logprobs: mx.array) -> mx.array:
-        if top_k:
-            logprobs = apply_top_k(logprobs, top_k)
-        if params.min_p > 0:
-            logprobs = apply_min_p(logprobs, params.min_p)
-        if params.top_p < 1:
-            logprobs = apply_top_p(logprobs, params.top_p)
-        key[0], draw = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * inv_temp, key=draw)
-
-    return sample
+    return Sampler(params, vocab_size)
 
 
 def make_processors(params: SamplingParams, vocab_size: int, eos_token_ids) -> list:

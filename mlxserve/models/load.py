@@ -26,6 +26,7 @@ class LoadedModel:
     config: dict
     source: str  # what the user passed
     vision: Any = None  # a VisionAdapter for vision-language models (`model` is then its text half)
+    draft: "LoadedModel | None" = None  # the draft model of speculative decoding (load_draft)
 
     @property
     def vocab_size(self) -> int:
@@ -125,6 +126,32 @@ def served_name(source: str | None, load_format: str = "auto") -> str:
     if path.is_dir():
         return path.resolve().name
     return source  # a Hugging Face repo id
+
+
+def load_draft(target: LoadedModel, source: str, *, load_format: str = "auto", dtype: str | None = None,
+               quantize_bits: int | None = None, seed: int = 0, progress: bool = True) -> LoadedModel:
+    """Load `source` as the target's draft model (`target.draft`), like the target is loaded.
+
+    A draft proposes token ids the target checks, so both must read ids the
+    same way: a draft whose tokenizer's vocabulary differs is refused.
+    """
+    draft = load(source, load_format=load_format, dtype=dtype, quantize_bits=quantize_bits, seed=seed,
+                 progress=progress)
+    if draft.vision is not None:
+        raise ModelLoadError(f"--draft-model {source}: a vision-language model cannot be a draft model")
+    check_same_vocabulary(target, draft)
+    target.draft = draft
+    return draft
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise ModelLoadError (one line) unless both tokenizers map the same strings to the same ids."""
+    ours, theirs = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if ours != theirs:
+        differ = sum(1 for t, i in ours.items() if theirs.get(t) != i) + len(theirs.keys() - ours.keys())
+        raise ModelLoadError(
+            f"--draft-model {draft.source}: its vocabulary ({len(theirs)} tokens) is not {target.name}'s "
+            f"({len(ours)} tokens, {differ} differ); a draft model must share the model's tokenizer")
 
 
 def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
