@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 import time
 from typing import TYPE_CHECKING
 
@@ -111,7 +112,9 @@ class Watchdog:
 
     def __init__(self, timeout_s: float, on_stall):
         self.timeout_s = timeout_s
-        self.on_stall = on_stall
+        # Weakly: the engine holds its watchdog, and a cycle back to it would keep a stopped
+        # engine (and its model's arrays) alive until the collector runs, at exit, where MLX aborts.
+        self.on_stall = weakref.WeakMethod(on_stall) if hasattr(on_stall, "__self__") else lambda: on_stall
         self.started: float | None = None  # time.monotonic() when the running step began
         self.last_step_s: float | None = None  # how long the last finished step took
         self.stalls = 0  # steps that ran past the limit
@@ -154,7 +157,10 @@ class Watchdog:
             if running is not None and running > self.timeout_s and not self._fired:
                 self._fired = True
                 self.stalls += 1
+                on_stall = self.on_stall()
+                if on_stall is None:  # the engine is gone
+                    return
                 try:
-                    self.on_stall(running)
+                    on_stall(running)
                 except Exception:  # noqa: BLE001 - the watchdog must keep watching
                     log.exception("failing the requests of a stalled step")
