@@ -278,7 +278,7 @@ def test_disk_tier_never_serves_a_damaged_block(tiny, tmp_path):
     try:
         got = [run(engine, [p])[0] for p in prompts]
         stats = asyncio.run(engine.cache_stats())["prefix_cache"]
-        families = {f.name: f for f in text_string_to_metric_families(Metrics(engine).render().decode())}
+        families = {f.name: f for f in text_string_to_metric_families(Metrics(lambda: [engine]).render().decode())}
     finally:
         engine.stop()
     assert [tokens for tokens, _ in got] == refs

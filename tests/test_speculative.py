@@ -328,7 +328,7 @@ def test_metrics_report_the_counters(spec):
     _, engine = spec
     run(engine, echo_prompt(), greedy(20))
     s = engine.speculation.stats
-    values = {sample.name: sample.value for f in text_string_to_metric_families(Metrics(engine).render().decode())
+    values = {sample.name: sample.value for f in text_string_to_metric_families(Metrics(lambda: [engine]).render().decode())
               for sample in f.samples}
     assert values["spec_decode_draft_tokens_total"] == s.drafted > 0
     assert values["spec_decode_accepted_tokens_total"] == s.accepted
