@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import mlxserve
+from mlxserve.bench.local import free_port, healthy
 from mlxserve.llm import render_chat
 
 MODEL = "qwen3-tiny"
@@ -662,9 +663,7 @@ def test_an_engine_that_cannot_start_exits_1_with_the_reason(tmp_path):
 
 
 def test_sigterm_ends_streams_cleanly_and_exits_0():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # As a user runs it: `mlxserve serve` (the CLI entry point).
     code = "import sys; from mlxserve.cli import main; sys.exit(main(sys.argv[1:]))"
     args = ["serve", "qwen3-tiny", "--load-format", "dummy", "--port", str(port), "--log-level", "warning",
@@ -674,11 +673,8 @@ def test_sigterm_ends_streams_cleanly_and_exits_0():
     try:
         deadline = time.monotonic() + 90
         while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
+            if healthy(url):
+                break
             assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
         with httpx.Client(base_url=url, timeout=30) as c:

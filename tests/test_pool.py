@@ -6,7 +6,6 @@ import asyncio
 import gc
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mlxserve.bench.local import free_port, healthy
 from mlxserve.config import EngineConfig, ModelConfig, PoolConfig, ServerConfig, served_models
 from mlxserve.engine.pool import ModelPool, ModelSpec, separate_disk_tiers
 
@@ -178,9 +178,7 @@ def test_serve_several_models_from_the_command_line_and_a_file(tmp_path):
                       '[[models]]\nmodel = "gemma3-tiny"\npinned = true\n')
     pins = tmp_path / "pins.json"
     pins.write_text(json.dumps([{"model": "small", "prompt": list(range(100, 140))}]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args = ["serve", "--load-format", "dummy", "qwen3-tiny", "--config", str(config), "--pin", str(pins),
             "--max-loaded-models", "2", "--port", str(port), "--log-level", "warning"]
     code = "import sys; from mlxserve.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -189,11 +187,8 @@ def test_serve_several_models_from_the_command_line_and_a_file(tmp_path):
     try:
         deadline = time.monotonic() + 180
         while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
+            if healthy(url):
+                break
             assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
         models = {m["id"]: m for m in httpx.get(url + "/v1/models").json()["data"]}

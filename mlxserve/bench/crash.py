@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 import httpx
 
 import mlxserve
+from mlxserve.bench.local import free_port, healthy
 
 START_TIMEOUT_S = 180  # a cold start on a loaded 2-core machine imports MLX, mlx-lm and FastAPI
 REQUEST_TIMEOUT_S = 120
@@ -56,17 +56,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """`mlxserve serve` in a child process, running the same code as this process."""
 
     def __init__(self, args, log_path: Path, *extra: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         root = str(Path(mlxserve.__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -80,11 +74,8 @@ class Server:
     def wait_ready(self) -> float:
         """Seconds from launch to a healthy server; RuntimeError if it never gets there."""
         while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return time.monotonic() - self.started
-            except httpx.TransportError:
-                pass
+            if healthy(self.url):
+                return time.monotonic() - self.started
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode} before it was ready "
                                    f"(log: {self.log.name})")

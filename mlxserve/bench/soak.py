@@ -23,7 +23,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -396,11 +395,10 @@ class ChildServer:
     """`mlxserve serve` in a child process on a free local port; its output goes to a log file."""
 
     def __init__(self, args):
+        from mlxserve.bench.local import free_port
         from mlxserve.config import ModelConfig
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         model = []
         for f in dataclasses.fields(ModelConfig):  # the model flags given to `bench soak`, as given
             value = getattr(args, f.name)
@@ -417,17 +415,14 @@ class ChildServer:
         print(f"started: {shlex.join(self.command)} (pid {self.pid}, log {self.log})", file=sys.stderr)
 
     def wait_ready(self, timeout: float) -> None:
-        import httpx
+        from mlxserve.bench.local import healthy
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit(f"the server exited with {self.proc.returncode} while loading:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url.removesuffix("/v1") + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if healthy(self.url.removesuffix("/v1")):
+                return
             time.sleep(1)
         raise SystemExit(f"the server was not ready within {timeout:.0f} s:\n{self.log_tail()}")
 
