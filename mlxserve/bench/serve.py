@@ -5,7 +5,8 @@ For each concurrency level it sends `--requests` streamed requests, at most
 inter-token latency (the gaps between streamed chunks), end-to-end time, and
 from those aggregate output tok/s, per-request decode tok/s and requests/s.
 It works against any OpenAI-compatible server (mlxserve, mlx_lm.server, vLLM,
-llama.cpp, Ollama); token counts come from the server's `usage`.
+llama.cpp, Ollama); token counts come from the server's `usage`. With `--start`
+it starts the servers itself on one model folder (bench/peers.py), one at a time.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import math
 import os
 import random
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,6 +52,19 @@ def add_parser(sub) -> None:
                    help="Model name to request, one for all or one per URL (default: each server's "
                         "first model; mlx_lm.server's own name for its model is 'default_model').")
     p.add_argument("--label", default=None, help="Names of the servers in the result, one per URL.")
+    p.add_argument("--start", default=None, metavar="NAMES",
+                   help="Instead of --url: start these servers (comma-separated: mlxserve, mlx_lm, "
+                        "vllm-mlx) one after the other on --model-dir, each alone on the device, and "
+                        "compare them in one result. A server that fails to start is reported as such.")
+    p.add_argument("--model-dir", default=None, help="With --start: the MLX model folder every server loads.")
+    p.add_argument("--peer-path", action="append", metavar="NAME=DIR",
+                   help="With --start: a folder of packages put first on that server's PYTHONPATH "
+                        "(e.g. vllm-mlx=~/vllm-site, where vllm-mlx and the mlx-lm it pins live apart).")
+    p.add_argument("--peer-args", action="append", metavar="NAME=ARGS",
+                   help="With --start: extra command-line arguments for that server, e.g. "
+                        "'mlxserve=--max-num-seqs 64'.")
+    p.add_argument("--start-timeout", type=float, default=300.0,
+                   help="With --start: seconds a server may take to load and answer /health.")
     p.add_argument("--concurrency", default="1,4,16", help="Comma-separated concurrency levels.")
     p.add_argument("--requests", type=int, default=64, help="Requests per concurrency level.")
     p.add_argument("--input-len", type=int, default=128, help="Prompt length, in words (about one token each).")
@@ -276,15 +291,12 @@ def _per_url(value: str | None, n: int, what: str) -> list:
     return items
 
 
-def run(args) -> int:
-    from mlxserve.bench import report
-
-    levels = [int(c) for c in args.concurrency.split(",")]
+def measure_urls(args, levels: list[int]) -> list[dict]:
+    """Runs against servers already listening at --url."""
     urls = args.url.split(",")
     labels = _per_url(args.label, len(urls), "label")
     models = _per_url(args.model, len(urls), "model")
     ignore_eos = args.ignore_eos
-    info = report.machine()
     runs = []
     for url, label, model in zip(urls, labels, models):
         model, server = server_info(url, model, args.api_key)
@@ -292,6 +304,55 @@ def run(args) -> int:
         rows = bench_server(args, url, model, levels)
         runs.append({"label": label or url, "url": url, "model": model, "server": server,
                      "ignore_eos": args.ignore_eos, "rows": rows})
+    return runs
+
+
+def measure_started(args, levels: list[int]) -> list[dict]:
+    """Runs against servers this command starts on --model-dir, one alive at a time; a server that
+    does not start or answer is a run with an `error` and no rows."""
+    import shlex
+
+    import httpx
+
+    from mlxserve.bench import peers
+
+    names = args.start.split(",")
+    unknown = [n for n in names if n not in peers.PEERS]
+    if unknown or not args.model_dir:
+        raise SystemExit(f"--start takes {', '.join(peers.PEERS)} (got {unknown}) and needs --model-dir"
+                         if unknown else "--start needs --model-dir")
+    paths = peers.parse_pairs(args.peer_path, "peer-path")
+    extra = peers.parse_pairs(args.peer_args, "peer-args")
+    ignore_eos = args.ignore_eos
+    runs = []
+    for name in names:
+        peer = peers.PEERS[name]
+        run = {"label": name, "url": None, "model": None, "server": {}, "ignore_eos": False, "rows": []}
+        try:
+            with peers.Started(peer, args.model_dir, paths.get(name), extra.get(name, ""),
+                               args.start_timeout) as started:
+                model, server = server_info(started.url, peer.model, args.api_key)
+                run.update(url=started.url, model=model, server={
+                    **started.versions, **{k: v for k, v in server.items() if k in ("backend", "device")},
+                    "mode": peer.note or "default", "started in": f"{started.startup_s:.1f} s",
+                    "command": f"`{shlex.join(started.command)}`", "log": started.child.log})
+                args.ignore_eos = ignore_eos
+                run["rows"] = bench_server(args, started.url, model, levels)
+                # Servers without ignore_eos take the field and drop it: outputs may end early.
+                run["ignore_eos"] = args.ignore_eos and peer.honours_ignore_eos
+        except (RuntimeError, SystemExit, OSError, httpx.HTTPError, subprocess.SubprocessError) as e:
+            run["error"] = str(e)
+            print(f"{name} did not run: {e}", file=sys.stderr)
+        runs.append(run)
+    return runs
+
+
+def run(args) -> int:
+    from mlxserve.bench import report
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    info = report.machine()
+    runs = measure_started(args, levels) if args.start else measure_urls(args, levels)
 
     command = "mlxserve bench serve " + " ".join(sys.argv[3:])
     md = [report.header("Serving benchmark", info, command),
@@ -300,6 +361,10 @@ def run(args) -> int:
           "ITL: gaps between streamed chunks. Per-request tok/s: (output tokens - 1) / (end - first "
           "token). Output tok/s and req/s: totals over the level's wall time.\n"]
     for r in runs:
+        if "error" in r:
+            reason, _, log = r["error"].partition("\n")
+            md.append(f"## {r['label']}\n\nDid not run: {reason}\n" + (f"\n```\n{log.strip()}\n```\n" if log else ""))
+            continue
         table = report.table([title for _, title in COLUMNS], [[row[k] for k, _ in COLUMNS] for row in r["rows"]])
         print(f"\n{r['label']} ({r['url']}, model {r['model']})\n{table}")
         md.append(f"## {r['label']}\n\n- url: {r['url']}\n- model: {r['model']}\n"
@@ -310,15 +375,19 @@ def run(args) -> int:
         for row in r["rows"]:
             for error in row["errors"]:
                 print(f"{r['label']} concurrency {row['concurrency']}: failed: {error}", file=sys.stderr)
+    measured = [r for r in runs if r["rows"]]
     if len(runs) > 1:
         compare = report.table(
-            ["concurrency"] + [f"{r['label']} tok/s" for r in runs] + [f"{r['label']} TTFT p50 ms" for r in runs],
-            [[c] + [r["rows"][i]["output_tok_per_s"] for r in runs] + [r["rows"][i]["ttft_p50_ms"] for r in runs]
-             for i, c in enumerate(levels)])
-        print("\n" + compare)
-        md.append("## Side by side\n\n" + compare + "\n")
-    report.write_result("serve", info, "\n".join(md), runs, plot, args.out_dir)
-    return 0 if all(row["failed"] == 0 for r in runs for row in r["rows"]) else 1
+            ["concurrency"] + [f"{r['label']} tok/s" for r in measured]
+            + [f"{r['label']} TTFT p50 ms" for r in measured],
+            [[c] + [r["rows"][i]["output_tok_per_s"] for r in measured]
+             + [r["rows"][i]["ttft_p50_ms"] for r in measured] for i, c in enumerate(levels)])
+        missing = "".join(f"\n{r['label']}: did not run ({r['error'].splitlines()[0]})\n"
+                          for r in runs if "error" in r)
+        print("\n" + compare + missing)
+        md.append("## Side by side\n\n" + compare + "\n" + missing)
+    report.write_result("serve", info, "\n".join(md), runs, plot if measured else None, args.out_dir)
+    return 0 if all("error" not in r and all(row["failed"] == 0 for row in r["rows"]) for r in runs) else 1
 
 
 def replot(json_path) -> None:
@@ -336,6 +405,8 @@ def plot(runs: list[dict], png, info: dict) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for r in runs:
         rows = r["rows"]
+        if not rows:  # a server that did not run
+            continue
         cs = [row["concurrency"] for row in rows]
         line, = ax1.plot(cs, [row["output_tok_per_s"] for row in rows], marker="o",
                          label=f"{r['label']} aggregate")

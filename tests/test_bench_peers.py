@@ -1,0 +1,79 @@
+"""`mlxserve bench serve --start`: the command starts each server on one model folder in turn,
+measures it, stops it, and compares them in one result; a server that cannot start is reported."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlxserve.bench import serve as bench
+from mlxserve.bench.local import healthy
+
+OUTPUT_LEN = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """qwen3-tiny with random weights as an MLX folder that mlx_lm (and vllm-mlx) can load."""
+    out = tmp_path_factory.mktemp("peers") / "qwen3-tiny"
+    subprocess.run([sys.executable, "-m", "mlxserve.cli", "convert", "--load-format", "dummy", "qwen3-tiny",
+                    "--out-dir", str(out)], check=True, capture_output=True)
+    return out
+
+
+def bench_start(tmp_path, *flags) -> tuple[int, str, list[dict]]:
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", *flags, "--concurrency", "1,2", "--requests", "3", "--input-len", "16",
+                              "--output-len", str(OUTPUT_LEN), "--endpoint", "completions",
+                              "--start-timeout", "120", "--out-dir", str(tmp_path)])
+    rc = args.func(args)
+    (md,) = tmp_path.glob("*.md")
+    return rc, md.read_text(), json.loads(md.with_suffix(".json").read_text())["results"]
+
+
+def test_start_runs_mlxserve_and_mlx_lm_one_after_the_other(model_dir, tmp_path):
+    rc, text, runs = bench_start(tmp_path, "--start", "mlxserve,mlx_lm", "--model-dir", str(model_dir))
+    assert rc == 0
+    assert [r["label"] for r in runs] == ["mlxserve", "mlx_lm"]
+    for r in runs:
+        assert "error" not in r and [row["concurrency"] for row in r["rows"]] == [1, 2]
+        assert all(row["failed"] == 0 and row["mean_output_tokens"] > 0 for row in r["rows"])
+        assert not healthy(r["url"].removesuffix("/v1"))  # stopped once measured
+    mlxserve, mlx_lm = runs
+    assert mlxserve["rows"][0]["mean_output_tokens"] == OUTPUT_LEN and mlxserve["ignore_eos"]
+    assert mlx_lm["model"] == "default_model" and not mlx_lm["ignore_eos"]  # mlx_lm.server has no ignore_eos
+    assert mlxserve["url"] != mlx_lm["url"]
+    side = text.split("## Side by side")[1]
+    assert "mlxserve tok/s" in side and "mlx_lm tok/s" in side
+    assert len([line for line in side.splitlines() if line.startswith(("| 1 |", "| 2 |"))]) == 2
+
+
+def test_a_server_that_fails_to_start_is_reported_in_the_result(model_dir, tmp_path):
+    rc, text, runs = bench_start(tmp_path, "--start", "mlx_lm", "--model-dir", str(model_dir),
+                                 "--peer-args", "mlx_lm=--no-such-flag")
+    assert rc == 1
+    (run,) = runs
+    assert run["rows"] == [] and "exited with 2 while starting" in run["error"]
+    assert "Did not run: exited with 2" in text and "unrecognized arguments: --no-such-flag" in text
+
+
+def test_start_runs_vllm_mlx(model_dir, tmp_path):
+    # vllm-mlx pins an older mlx-lm than mlxserve, so it lives in its own folder of packages.
+    path = os.environ.get("MLXSERVE_TEST_VLLM_MLX_PATH")
+    found = subprocess.run([sys.executable, "-c", "import vllm_mlx"], capture_output=True,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                               p for p in (path, os.environ.get("PYTHONPATH")) if p)}).returncode == 0
+    if not found:
+        pytest.skip("vllm-mlx is not installed: set MLXSERVE_TEST_VLLM_MLX_PATH to a folder of its packages "
+                    "(pip install --target DIR --no-deps vllm-mlx mlx-lm==0.31.3 jsonschema python-multipart ...)")
+    flags = ["--peer-path", f"vllm-mlx={path}"] if path else []
+    rc, text, runs = bench_start(tmp_path, "--start", "vllm-mlx", "--model-dir", str(model_dir), *flags)
+    (run,) = runs
+    assert rc == 0, run.get("error")
+    assert run["server"]["mode"].startswith("--continuous-batching")
+    assert all(row["failed"] == 0 and row["mean_output_tokens"] > 0 for row in run["rows"])
+    assert not healthy(run["url"].removesuffix("/v1"))
