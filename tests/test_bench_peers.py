@@ -77,3 +77,53 @@ def test_start_runs_vllm_mlx(model_dir, tmp_path):
     assert run["server"]["mode"].startswith("--continuous-batching")
     assert all(row["failed"] == 0 and row["mean_output_tokens"] > 0 for row in run["rows"])
     assert not healthy(run["url"].removesuffix("/v1"))
+
+
+def test_a_server_that_stops_answering_does_not_hold_the_run(tmp_path):
+    """It answers the warm-up, then never again: the run stops at the first level's first timeout
+    instead of waiting --timeout for every request left."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    released = threading.Event()
+    answered = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if answered:
+                released.wait(30)
+                return
+            answered.append(1)
+            chunks = [{"choices": [{"index": 0, "text": "hi"}]},
+                      {"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 1}}]
+            body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        parser = argparse.ArgumentParser()
+        bench.add_parser(parser.add_subparsers())
+        args = parser.parse_args(["serve", "--url", f"http://127.0.0.1:{httpd.server_port}/v1", "--model", "m",
+                                  "--concurrency", "1,2", "--requests", "20", "--endpoint", "completions",
+                                  "--timeout", "1", "--out-dir", str(tmp_path)])
+        start = time.monotonic()
+        assert args.func(args) == 1
+        assert time.monotonic() - start < 10  # not 20 requests x 1 s, nor the second level
+    finally:
+        released.set()
+        httpd.shutdown()
+    (run,) = json.loads(next(tmp_path.glob("*.json")).read_text())["results"]
+    (row,) = run["rows"]
+    assert row["concurrency"] == 1 and row["failed"] >= 1 and "within 1 s" in row["stopped"]
+    assert "Stopped at concurrency 1" in next(tmp_path.glob("*.md")).read_text()

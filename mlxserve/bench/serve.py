@@ -91,6 +91,7 @@ class Result:
     gaps: list[float] = field(default_factory=list)  # seconds between content chunks
     prompt_tokens: int = 0
     output_tokens: int = 0
+    timed_out: bool = False  # no answer within --timeout: the server may have stopped answering
 
 
 def make_prompt(rng: random.Random, n_words: int) -> str:
@@ -129,6 +130,8 @@ def chunk_text(chunk: dict, endpoint: str) -> str:
 
 
 async def one_request(client, args, model: str, prompt: str, output_len: int | None = None) -> Result:
+    import httpx
+
     path = "/chat/completions" if args.endpoint == "chat" else "/completions"
     start = time.perf_counter()
     stamps = []
@@ -145,6 +148,8 @@ async def one_request(client, args, model: str, prompt: str, output_len: int | N
                     usage = chunk["usage"]
                 if chunk_text(chunk, args.endpoint):
                     stamps.append(time.perf_counter())
+    except httpx.TimeoutException as e:
+        return Result(False, f"no answer within {args.timeout:g} s ({type(e).__name__})", timed_out=True)
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
         return Result(False, f"{type(e).__name__}: {e}")
     end = time.perf_counter()
@@ -174,7 +179,9 @@ async def run_level(args, model: str, concurrency: int, prompts: list[str], prog
 
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
         async def worker():
-            while not todo.empty():
+            # After a timeout, send no more: a server that stopped answering would otherwise hold
+            # the run for --timeout seconds per request left.
+            while not todo.empty() and not any(r.timed_out for r in results):
                 prompt = todo.get_nowait()
                 results.append(await one_request(client, args, model, prompt, output_len))
                 if progress is not None:
@@ -272,11 +279,16 @@ def bench_server(args, url: str, model: str, levels: list[int]) -> list[dict]:
                 # An unmeasured round at this concurrency first: GPU backends compile
                 # kernels per new shape, and the server measured first would pay for
                 # it (MLX's compiled-kernel cache is shared by the servers of one run).
-                await run_level(args, model, c, [make_prompt(rng, args.input_len) for _ in range(c)],
-                                None, output_len=4)
+                warm, _ = await run_level(args, model, c, [make_prompt(rng, args.input_len) for _ in range(c)],
+                                          None, output_len=4)
                 prompts = [make_prompt(rng, args.input_len) for _ in range(args.requests)]
                 results, duration = await run_level(args, model, c, prompts, progress)
                 rows.append(summarize(c, results, duration))
+                if any(r.timed_out for r in warm + results):
+                    rows[-1]["stopped"] = f"a request got no answer within {args.timeout:g} s"
+                    print(f"{url}: {rows[-1]['stopped']} at concurrency {c}; the higher levels are not measured",
+                          file=sys.stderr)
+                    break
         return rows
 
     return asyncio.run(all_levels())
@@ -327,24 +339,29 @@ def measure_started(args, levels: list[int]) -> list[dict]:
     runs = []
     for name in names:
         peer = peers.PEERS[name]
-        run = {"label": name, "url": None, "model": None, "server": {}, "ignore_eos": False, "rows": []}
+        result = {"label": name, "url": None, "model": None, "server": {}, "ignore_eos": False, "rows": []}
         try:
             with peers.Started(peer, args.model_dir, paths.get(name), extra.get(name, ""),
                                args.start_timeout) as started:
                 model, server = server_info(started.url, peer.model, args.api_key)
-                run.update(url=started.url, model=model, server={
+                result.update(url=started.url, model=model, server={
                     **started.versions, **{k: v for k, v in server.items() if k in ("backend", "device")},
                     "mode": peer.note or "default", "started in": f"{started.startup_s:.1f} s",
                     "command": f"`{shlex.join(started.command)}`", "log": started.child.log})
                 args.ignore_eos = ignore_eos
-                run["rows"] = bench_server(args, started.url, model, levels)
+                result["rows"] = bench_server(args, started.url, model, levels)
                 # Servers without ignore_eos take the field and drop it: outputs may end early.
-                run["ignore_eos"] = args.ignore_eos and peer.honours_ignore_eos
+                result["ignore_eos"] = args.ignore_eos and peer.honours_ignore_eos
         except (RuntimeError, SystemExit, OSError, httpx.HTTPError, subprocess.SubprocessError) as e:
-            run["error"] = str(e)
+            result["error"] = str(e)
             print(f"{name} did not run: {e}", file=sys.stderr)
-        runs.append(run)
+        runs.append(result)
     return runs
+
+
+def level(run: dict, concurrency: int, key: str):
+    """A run's number at one concurrency, "-" where that level was not measured."""
+    return next((row[key] for row in run["rows"] if row["concurrency"] == concurrency), "-")
 
 
 def run(args) -> int:
@@ -371,7 +388,9 @@ def run(args) -> int:
                   + "".join(f"- {k}: {v}\n" for k, v in r["server"].items())
                   + f"- output length: {args.output_len} tokens"
                   + (" (EOS ignored)" if r["ignore_eos"] else " at most (this server has no ignore_eos)")
-                  + f"\n\n{table}\n")
+                  + f"\n\n{table}\n"
+                  + "".join(f"\nStopped at concurrency {row['concurrency']}: {row['stopped']}; the higher "
+                            "levels were not measured.\n" for row in r["rows"] if "stopped" in row))
         for row in r["rows"]:
             for error in row["errors"]:
                 print(f"{r['label']} concurrency {row['concurrency']}: failed: {error}", file=sys.stderr)
@@ -380,13 +399,14 @@ def run(args) -> int:
         compare = report.table(
             ["concurrency"] + [f"{r['label']} tok/s" for r in measured]
             + [f"{r['label']} TTFT p50 ms" for r in measured],
-            [[c] + [r["rows"][i]["output_tok_per_s"] for r in measured]
-             + [r["rows"][i]["ttft_p50_ms"] for r in measured] for i, c in enumerate(levels)])
+            [[c] + [level(r, c, "output_tok_per_s") for r in measured]
+             + [level(r, c, "ttft_p50_ms") for r in measured] for c in levels])
         missing = "".join(f"\n{r['label']}: did not run ({r['error'].splitlines()[0]})\n"
                           for r in runs if "error" in r)
         print("\n" + compare + missing)
         md.append("## Side by side\n\n" + compare + "\n" + missing)
-    report.write_result("serve", info, "\n".join(md), runs, plot if measured else None, args.out_dir)
+    answered = any(row["failed"] < row["requests"] for r in runs for row in r["rows"])
+    report.write_result("serve", info, "\n".join(md), runs, plot if answered else None, args.out_dir)
     return 0 if all("error" not in r and all(row["failed"] == 0 for row in r["rows"]) for r in runs) else 1
 
 
@@ -404,8 +424,8 @@ def plot(runs: list[dict], png, info: dict) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for r in runs:
-        rows = r["rows"]
-        if not rows:  # a server that did not run
+        rows = [row for row in r["rows"] if row["failed"] < row["requests"]]
+        if not rows:  # a server that did not run or answered nothing
             continue
         cs = [row["concurrency"] for row in rows]
         line, = ax1.plot(cs, [row["output_tok_per_s"] for row in rows], marker="o",
