@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shapes", help="List the named model shapes for --load-format dummy.")
     p.set_defaults(func=cmd_shapes)
 
-    p = sub.add_parser("bench", help="Benchmarks: engine, serve, prefix, multimodal, grammar, soak.")
+    p = sub.add_parser("bench", help="Benchmarks: engine, serve, prefix, multimodal, grammar, soak, spec, warmup.")
     from mlxserve.bench import add_bench_parsers
 
     add_bench_parsers(p)
