@@ -48,8 +48,8 @@ def test_warmup_runs_is_logged_and_leaves_nothing(tiny, caplog):
     finally:
         engine.stop()
     assert status["state"] == "done" and status["skipped"] == 0
-    # solo, two restores, sampling, handover, and the batch of 4 (2 is the handover's)
-    assert status["phases"] == 6
+    # solo, two restores, sampling, prompt logprobs, handover, and the batch of 4 (2 is the handover's)
+    assert status["phases"] == 7
     done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up done")]
     assert len(done) == 1 and "prefix restore +24" in done[0] and "batch 4" in done[0]
     assert stats["blocks"] == 0 and stats["stored_blocks"] == 0
@@ -116,7 +116,7 @@ def test_warmup_stops_at_its_budget(tiny, caplog):
         status = engine.health()["warmup"]
     finally:
         engine.stop()
-    assert status["state"] == "stopped" and status["phases"] == 1 and status["skipped"] == 5
+    assert status["state"] == "stopped" and status["phases"] == 1 and status["skipped"] == 6
     assert any("budget of" in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records)
 
 

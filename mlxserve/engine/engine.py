@@ -397,22 +397,13 @@ class AsyncEngine:
             max_num_seqs = 1
         solo_path = cfg.solo_fast_path or bool(unbatchable)
         self.speculation = make_speculation(cfg, self.loaded, solo_path=solo_path)
-        def make_runner(prefix_cache, chunk, speculation):
-            return Runner(
-                self.loaded.model,
-                max_num_seqs=max_num_seqs,
-                prefill_chunk_size=chunk,
-                prefill_batch_size=prefill_batch_size(self.loaded.config, cfg.prefill_batch_size),
-                solo_fast_path=solo_path,
-                prefix_cache=prefix_cache,
-                vision=self.loaded.vision,
-                vision_cache=self.vision_cache,
-                vision_step_s=cfg.vision_step_ms / 1e3,
-                kv_bits=cfg.kv_bits,
-                dequantize_kv=dequantize_kv,
-                keep_image_embeddings=cfg.keep_image_embeddings,
-                speculation=speculation,
-            )
+        def make_runner(prefix_cache, chunk, speculation):  # the engine's, and the warm-up's own
+            return Runner(self.loaded.model, max_num_seqs=max_num_seqs, prefill_chunk_size=chunk,
+                          prefill_batch_size=prefill_batch_size(self.loaded.config, cfg.prefill_batch_size),
+                          solo_fast_path=solo_path, prefix_cache=prefix_cache, vision=self.loaded.vision,
+                          vision_cache=self.vision_cache, vision_step_s=cfg.vision_step_ms / 1e3,
+                          kv_bits=cfg.kv_bits, dequantize_kv=dequantize_kv,
+                          keep_image_embeddings=cfg.keep_image_embeddings, speculation=speculation)
 
         def make_scheduler(runner, kv_budget=None):
             return Scheduler(runner, eos_token_ids=self.tokenizer.eos_token_ids, vocab_size=self.loaded.vocab_size,
@@ -422,7 +413,7 @@ class AsyncEngine:
         scheduler = make_scheduler(make_runner(self.prefix_cache, cfg.prefill_chunk_size, self.speculation),
                                    self.kv_budget)
         if cfg.warmup > 0:
-            self.warmup = make_warmup(cfg, self.loaded, self.prefix_cache, max_num_seqs,
+            self.warmup = make_warmup(cfg, self.loaded, self.prefix_cache, max_num_seqs, self.max_model_len,
                                       lambda cache, chunk: make_scheduler(make_runner(cache, chunk, None)))
         return scheduler
 

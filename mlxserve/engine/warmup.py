@@ -3,18 +3,20 @@ do not pay for compiling kernels.
 
 On a GPU, MLX builds kernels on first use: MLX-CUDA compiles (NVRTC) the fused kernels
 of mx.compile'd functions (per graph and dtype: mlx-lm's activations, the samplers'
-top-k/top-p/min-p), gathers and scatters (per dtype and index count), dynamic slices and
-its quantized matmuls (per dtype, bits, group size and tile class: the sm90 kernel's tile
-follows the layer's output size, sm80's and the fallback's the number of rows, 16/32/64+);
-cuDNN builds an attention graph per shape, and each new graph of kernels is captured once.
-A fresh machine's first agent turns took 8-44 s (issue 17); warm, 0.1-0.4 s. What a kernel
-is compiled for depends on dtypes, layouts and size classes, not on each length, so one
-pass of each real path covers it: the lone ("solo") path's chunked prefill (a full chunk,
-then a short one that gives the first token) and decoding; a prefix-cache restore of full
-and partial blocks with short continuations (16-row and 32-row classes); sampling with
-top-k/top-p/min-p, penalties and logprobs; a lone request moved into a batch; and batches
-of each size class up to --max-num-seqs (on sm90 a lone row decodes with a matrix-vector
-kernel, more rows with the matrix kernel; elsewhere the switch is at 8 rows).
+top-k/top-p/min-p), gathers (per dtype and index count: a quantized embedding's lookup,
+top logprobs, prompt scoring) and its quantized matmuls: up to 7 rows take a precompiled
+matrix-vector kernel, more a CUTLASS kernel compiled per dtype, bits, group size and
+row-count class (16, 32, 64+ rows: a 9-token continuation compiles one, a 24-token one
+another, a full chunk a third); cuDNN builds an attention graph per shape, and each new
+graph of kernels is captured once. A fresh machine's first agent turns took 8-44 s
+(issue 17); warm, 0.1-0.4 s. What a kernel is compiled for depends on dtypes, layouts and
+size classes, not on each length, so one pass of each real path covers it: the lone
+("solo") path's chunked prefill (a full chunk, then a shorter one that gives the first
+token) and decoding; prefix-cache restores of full and partial blocks with 24- and 9-token
+continuations; sampling with top-k/top-p/min-p, penalties and logprobs; a scored prompt;
+a lone request moved into a batch; and batches of each size class up to --max-num-seqs
+(8 and more decoding rows switch the quantized matmuls to the matrix kernel; attention
+graphs are per size).
 
 It runs on the MLX thread through a private runner and scheduler (the engine's own
 settings) with a private prefix cache, one phase at a time while the engine is idle: a
@@ -38,8 +40,8 @@ log = logging.getLogger("mlxserve.engine")
 
 def batch_sizes(max_num_seqs: int, gpu: bool) -> list[int]:
     """Batch sizes to warm: 2 (a lone request joined by another), 3, 4 (below the 8-row
-    switch of the quantized matmuls), then powers of two and the largest batch (per-size
-    attention graphs). On the CPU, 2 and 4."""
+    switch of the quantized matmuls), then powers of two from 8 and the largest batch
+    (attention graphs are built per size). On the CPU, 2 and 4."""
     sizes = {2, 4} if not gpu else {2, 3, 4, max_num_seqs} | {1 << k for k in range(3, max_num_seqs.bit_length())}
     return sorted(s for s in sizes if 2 <= s <= max_num_seqs)
 
@@ -47,13 +49,16 @@ def batch_sizes(max_num_seqs: int, gpu: bool) -> list[int]:
 class Warmup:
     """The phases still to run, and what ran: `run_next()` runs one (on the MLX thread)."""
 
-    def __init__(self, budget_s: float, make_scheduler, *, vocab_size: int, chunk: int, max_num_seqs: int, gpu: bool):
+    def __init__(self, budget_s: float, make_scheduler, *, vocab_size: int, chunk: int, max_num_seqs: int, gpu: bool,
+                 max_len: int | None = None):
         self.budget_s = budget_s
         self._make_scheduler = make_scheduler  # (chunk) -> a private Scheduler, or None when the model cannot run
         self._scheduler = None
         self.gpu = gpu
         # On the CPU nothing depends on lengths: short prompts, two prefill passes still.
         self.chunk = chunk if gpu else min(chunk, 32)
+        if max_len:  # the longest conversation (about 1.5 chunks + 80 tokens) fits the context
+            self.chunk = max(4, min(self.chunk, int((max_len - 80) / 1.5)))
         self.decode = 8 if gpu else 3
         self.rng = random.Random(0)
         self.vocab = vocab_size
@@ -63,7 +68,8 @@ class Warmup:
         self.skipped: list[str] = []
         self._history: list[int] = []  # the conversation of the prefix-cache phases
         phases = [("solo prefill+decode", self._solo), ("prefix restore +24", lambda: self._turn(24)),
-                  ("prefix restore +9", lambda: self._turn(9)), ("sampling+logprobs", self._sampling)]
+                  ("prefix restore +9", lambda: self._turn(9)), ("sampling+logprobs", self._sampling),
+                  ("prompt logprobs", self._prompt_logprobs)]
         if max_num_seqs >= 2:
             phases.append(("solo->batch handover", self._handover))
             phases += [(f"batch {b}", lambda b=b: self._batch(b)) for b in batch_sizes(max_num_seqs, gpu)[1:]]
@@ -127,9 +133,9 @@ class Warmup:
         lo = min(1000, self.vocab // 4)  # past the special tokens of most vocabularies
         return [self.rng.randrange(lo, self.vocab) for _ in range(n)]
 
-    def _run(self, arrivals, join_after: int = 0) -> dict[str, list[int]]:
-        """Run requests to their end: the first alone, the others once it emitted `join_after`
-        tokens (0: all at once). Returns each request's tokens."""
+    def _run(self, arrivals, join_after: int = 0, together: int = 1) -> dict[str, list[int]]:
+        """Run requests to their end: the first `together` at once, the others once the first
+        emitted `join_after` tokens (0: all at once). Returns each request's tokens."""
         from mlxserve.engine.request import Request, SamplingParams
 
         sched = self._scheduler
@@ -138,8 +144,10 @@ class Warmup:
         for prompt, settings in arrivals:
             params = SamplingParams(**{"temperature": 0.0, "max_tokens": self.decode, "ignore_eos": True, **settings})
             waiting.append(Request(prompt, params))
-        first = waiting.pop(0)
-        sched.add(first, first.params.max_tokens)
+        first = waiting[0]
+        for r in waiting[:together]:
+            sched.add(r, r.params.max_tokens)
+        waiting = waiting[together:]
         if not join_after:
             for r in waiting:
                 sched.add(r, r.params.max_tokens)
@@ -181,11 +189,17 @@ class Warmup:
                    (self._history + self._tokens(3), {"temperature": 1.0, "seed": 1})], join_after=2)
 
     def _batch(self, size: int) -> None:
-        """`size` short prompts of different lengths at once (padded prefill), decoded together."""
-        self._run([(self._tokens(4 + i % 13), {"max_tokens": 3}) for i in range(size)])
+        """`size` short prompts of different lengths (a padded prefill), the last one joining the
+        others' decoding; rows end at different steps (the batch drops them)."""
+        self._run([(self._tokens(4 + i % 13), {"max_tokens": 2 + i % 3}) for i in range(size)],
+                  join_after=1, together=size - 1)
+
+    def _prompt_logprobs(self) -> None:
+        """A prompt scored (prompt_logprobs): its own prefill path, which gathers each token's logprob."""
+        self._run([(self._tokens(self.chunk // 2 + 3), {"prompt_logprobs": 2, "max_tokens": 1})])
 
 
-def make_warmup(cfg, loaded, prefix_cache, max_num_seqs: int, make_scheduler) -> Warmup:
+def make_warmup(cfg, loaded, prefix_cache, max_num_seqs: int, max_len: int, make_scheduler) -> Warmup:
     """The engine's warm-up. `make_scheduler(prefix_cache, chunk)` builds a private scheduler
     on the engine's settings; it gets a prefix cache of its own (the engine's block size and
     layout, no disk tier) where the engine has one, dropped with it when the warm-up ends."""
@@ -202,4 +216,5 @@ def make_warmup(cfg, loaded, prefix_cache, max_num_seqs: int, make_scheduler) ->
         return make_scheduler(cache, chunk)
 
     return Warmup(cfg.warmup, private_scheduler, vocab_size=loaded.vocab_size or 1000,
-                  chunk=cfg.prefill_chunk_size, max_num_seqs=max_num_seqs, gpu=mx.default_device().type == mx.gpu)
+                  chunk=cfg.prefill_chunk_size, max_num_seqs=max_num_seqs, gpu=mx.default_device().type == mx.gpu,
+                  max_len=max_len)
