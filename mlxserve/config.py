@@ -150,7 +150,7 @@ class EngineConfig:
         "whole tower at once.",
     )
     warmup: float = setting(
-        120.0,
+        300.0,
         "Seconds of warm-up after start: while idle, the engine runs each serving path once with "
         "synthetic tokens (chunked prefill, prefix-cache restores, decoding alone and in batches up "
         "to --max-num-seqs, sampling), so that the kernels MLX builds on first use (minutes on a "

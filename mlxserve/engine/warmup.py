@@ -52,9 +52,8 @@ class Warmup:
     def __init__(self, budget_s: float, make_scheduler, *, vocab_size: int, chunk: int, max_num_seqs: int, gpu: bool,
                  max_len: int | None = None):
         self.budget_s = budget_s
-        self._make_scheduler = make_scheduler  # (chunk) -> a private Scheduler, or None when the model cannot run
+        self._make_scheduler = make_scheduler  # (chunk) -> a private Scheduler
         self._scheduler = None
-        self.gpu = gpu
         # On the CPU nothing depends on lengths: short prompts, two prefill passes still.
         self.chunk = chunk if gpu else min(chunk, 32)
         if max_len:  # the longest conversation (about 1.5 chunks + 80 tokens) fits the context
@@ -81,7 +80,7 @@ class Warmup:
 
     def status(self) -> dict:
         return {"state": self.state, "seconds": round(self.seconds, 3), "phases": len(self.done),
-                "skipped": len(self.skipped) + (len(self.phases) if self.state in ("stopped", "failed") else 0)}
+                "skipped": len(self.skipped)}
 
     def run_next(self) -> None:
         """Run the next phase; after the last one (or past the budget, or on an error) free
