@@ -101,7 +101,9 @@ class AsyncEngine:
         self.warmup_status = {"state": "off"}  # its outcome, for /health (Warmup.status())
 
     # ---- lifetime ----
-    def start(self) -> "AsyncEngine":
+    def start(self, wait_warmup: bool = False) -> "AsyncEngine":
+        """Start the MLX thread; `wait_warmup`: return once the warm-up is over too (benchmarks:
+        no warm-up phase then runs between their timed requests)."""
         if self._thread is None:
             # The engine thread holds the GIL while it builds the next step's graph
             # (milliseconds of Python); at the default 5 ms switch interval the event
@@ -114,6 +116,8 @@ class AsyncEngine:
             if self.fatal_error:
                 raise EngineDeadError(self.fatal_error)
             self.watchdog.start()
+        if wait_warmup:
+            self.warmed.wait()
         return self
 
     def stop(self, timeout: float = 10.0, release_model: bool = False) -> None:
