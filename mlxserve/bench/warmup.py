@@ -37,8 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="default", help="'default', a model source, or dummy:SHAPE[:q4|:q8].")
     p.add_argument("--turns", type=int, default=8, help="Turns of the agent conversation.")
     p.add_argument("--system-tokens", type=int, default=512,
-                   help="About this many tokens of system prompt (plus ~250 of tools): issue 17's trace had ~750 "
-                        "in all. Turn 1 prefills it all, the others mostly restore it, so a longer one makes turn 1 "
+                   help="About this many tokens of system prompt (the tools and template add ~500 more): issue 17's "
+                        "trace had ~750 in all. Turn 1 prefills it all, the others mostly restore it, so a longer one makes turn 1 "
                         "slower than the median for a reason other than first use ('fresh/warm' tells them apart).")
     p.add_argument("--answer-len", type=int, default=32, help="Tokens per answer.")
     p.add_argument("--modes", default="off,on", help="Runs, in order: off (--warmup 0), on (the default warm-up).")
