@@ -37,7 +37,9 @@ async def conversation(engine):
     return [first, second, sampled, *batch]
 
 
-def test_warmup_runs_is_logged_and_leaves_nothing(tiny, caplog):
+@pytest.mark.parametrize("full", [True, False], ids=["gpu-plan", "cpu-plan"])
+def test_warmup_runs_is_logged_and_leaves_nothing(tiny, caplog, monkeypatch, full):
+    monkeypatch.setattr(warmup, "full_plan", lambda: full)
     caplog.set_level(logging.INFO, logger="mlxserve.engine")
     engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig(**SETTINGS)).start()
     try:
@@ -48,18 +50,22 @@ def test_warmup_runs_is_logged_and_leaves_nothing(tiny, caplog):
     finally:
         engine.stop()
     assert status["state"] == "done" and status["skipped"] == 0
-    # solo, two restores, sampling, prompt logprobs, handover, and the batch of 4 (2 is the handover's)
-    assert status["phases"] == 7
     done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up done")]
-    assert len(done) == 1 and "prefix restore +24" in done[0] and "batch 4" in done[0]
+    assert len(done) == 1 and "solo prefill+decode" in done[0] and "solo->batch handover" in done[0]
+    if full:  # and two restores, prompt logprobs, batches of 3 and 4 (2 is the handover's)
+        assert status["phases"] == 8 and "prefix restore +9" in done[0] and "batch 4" in done[0]
+    else:
+        assert status["phases"] == 3 and "sampling+logprobs" in done[0] and "batch" not in done[0].replace(
+            "solo->batch", "")
     assert stats["blocks"] == 0 and stats["stored_blocks"] == 0
     assert stats["queries"] == 0 and stats["hits"] == 0 and stats["hit_tokens"] == 0
     assert steps == 0
 
 
-def test_answers_are_the_same_with_and_without_warmup(tiny):
+def test_answers_are_the_same_with_and_without_warmup(tiny, monkeypatch):
     answers = []
-    for seconds in (0, 60):
+    for seconds, full in ((0, False), (60, False), (60, True)):
+        monkeypatch.setattr(warmup, "full_plan", lambda: full)
         engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig(warmup=seconds, **SETTINGS)).start()
         try:
             assert engine.warmed.wait(60)
@@ -67,7 +73,7 @@ def test_answers_are_the_same_with_and_without_warmup(tiny):
             answers.append(asyncio.run(conversation(engine)))
         finally:
             engine.stop()
-    assert answers[0] == answers[1]
+    assert answers[0] == answers[1] == answers[2]
     assert answers[0][1] and all(len(a) in (5, 6) for a in answers[0])
 
 
@@ -116,15 +122,14 @@ def test_warmup_stops_at_its_budget(tiny, caplog):
         status = engine.health()["warmup"]
     finally:
         engine.stop()
-    assert status["state"] == "stopped" and status["phases"] == 1 and status["skipped"] == 6
+    assert status["state"] == "stopped" and status["phases"] == 1 and status["skipped"] == 2
     assert any("budget of" in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records)
 
 
 def test_batch_sizes_cover_the_kernel_size_classes():
-    assert warmup.batch_sizes(32, gpu=True) == [2, 3, 4, 8, 16, 32]
-    assert warmup.batch_sizes(12, gpu=True) == [2, 3, 4, 8, 12]
-    assert warmup.batch_sizes(32, gpu=False) == [2, 4]
-    assert warmup.batch_sizes(1, gpu=True) == []
+    assert warmup.batch_sizes(32) == [2, 3, 4, 8, 16, 32]
+    assert warmup.batch_sizes(12) == [2, 3, 4, 8, 12]
+    assert warmup.batch_sizes(1) == []
 
 
 def test_bench_warmup_on_a_fresh_server(tmp_path):

@@ -22,9 +22,8 @@ It runs on the MLX thread through a private runner and scheduler (the engine's o
 settings) with a private prefix cache, one phase at a time while the engine is idle: a
 request that arrives waits for the phase under way at most, and nothing of the warm-up
 (cache blocks, hit counters, steps, request metrics) is left for a user to see. The phases
-stop once their time (--warmup seconds) is spent. On the CPU prompts are short and batches
-small (kernels there do not depend on lengths), so the warm-up takes well under a second
-with a small model.
+stop once their time (--warmup seconds) is spent. On the CPU three short phases build what
+is built there (see `full_plan`).
 """
 
 from __future__ import annotations
@@ -38,27 +37,37 @@ from collections import deque
 log = logging.getLogger("mlxserve.engine")
 
 
-def batch_sizes(max_num_seqs: int, gpu: bool) -> list[int]:
+def batch_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes to warm: 2 (a lone request joined by another), 3, 4 (below the 8-row
     switch of the quantized matmuls), then powers of two from 8 and the largest batch
-    (attention graphs are built per size). On the CPU, 2 and 4."""
-    sizes = {2, 4} if not gpu else {2, 3, 4, max_num_seqs} | {1 << k for k in range(3, max_num_seqs.bit_length())}
+    (attention graphs are built per size)."""
+    sizes = {2, 3, 4, max_num_seqs} | {1 << k for k in range(3, max_num_seqs.bit_length())}
     return sorted(s for s in sizes if 2 <= s <= max_num_seqs)
+
+
+def full_plan() -> bool:
+    """Every phase on a GPU (Metal too: it builds kernels per type and tile); on the CPU, where
+    only mx.compile'd functions are built (with the C++ compiler: ~1 s each), the solo pass,
+    sampling (after a restore) and a batch of 2 build them all, and a full plan would take
+    20 s with a 0.5B model on 2 cores."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.gpu
 
 
 class Warmup:
     """The phases still to run, and what ran: `run_next()` runs one (on the MLX thread)."""
 
-    def __init__(self, budget_s: float, make_scheduler, *, vocab_size: int, chunk: int, max_num_seqs: int, gpu: bool,
-                 max_len: int | None = None):
+    def __init__(self, budget_s: float, make_scheduler, *, vocab_size: int, chunk: int, max_num_seqs: int,
+                 full: bool, max_len: int | None = None):
         self.budget_s = budget_s
         self._make_scheduler = make_scheduler  # (chunk) -> a private Scheduler
         self._scheduler = None
         # On the CPU nothing depends on lengths: short prompts, two prefill passes still.
-        self.chunk = chunk if gpu else min(chunk, 32)
+        self.chunk = chunk if full else min(chunk, 16)
         if max_len:  # the longest conversation (about 1.5 chunks + 80 tokens) fits the context
             self.chunk = max(4, min(self.chunk, int((max_len - 80) / 1.5)))
-        self.decode = 8 if gpu else 3
+        self.decode = 8 if full else 2
         self.rng = random.Random(0)
         self.vocab = vocab_size
         self.state = "pending"  # pending, running, done, stopped (budget), failed
@@ -66,12 +75,16 @@ class Warmup:
         self.done: list[tuple[str, float]] = []
         self.skipped: list[str] = []
         self._history: list[int] = []  # the conversation of the prefix-cache phases
-        phases = [("solo prefill+decode", self._solo), ("prefix restore +24", lambda: self._turn(24)),
-                  ("prefix restore +9", lambda: self._turn(9)), ("sampling+logprobs", self._sampling),
-                  ("prompt logprobs", self._prompt_logprobs)]
+        phases = [("solo prefill+decode", self._solo)]
+        if full:
+            phases += [("prefix restore +24", lambda: self._turn(24)), ("prefix restore +9", lambda: self._turn(9))]
+        phases.append(("sampling+logprobs", self._sampling))
+        if full:
+            phases.append(("prompt logprobs", self._prompt_logprobs))
         if max_num_seqs >= 2:
             phases.append(("solo->batch handover", self._handover))
-            phases += [(f"batch {b}", lambda b=b: self._batch(b)) for b in batch_sizes(max_num_seqs, gpu)[1:]]
+        if full:
+            phases += [(f"batch {b}", lambda b=b: self._batch(b)) for b in batch_sizes(max_num_seqs)[1:]]
         self.phases = deque(phases)
 
     @property
@@ -184,8 +197,8 @@ class Warmup:
     def _handover(self) -> None:
         """A lone request joined by another while decoding: it moves into a batch of 2 with its
         cache; the newcomer (sampled) restores a cached prefix."""
-        self._run([(self._tokens(12), {"max_tokens": self.decode + 2}),
-                   (self._history + self._tokens(3), {"temperature": 1.0, "seed": 1})], join_after=2)
+        self._run([(self._tokens(12), {"max_tokens": self.decode + 1}),
+                   (self._history + self._tokens(3), {"temperature": 1.0, "seed": 1})], join_after=1)
 
     def _batch(self, size: int) -> None:
         """`size` short prompts of different lengths (a padded prefill), the last one joining the
@@ -202,8 +215,6 @@ def make_warmup(cfg, loaded, prefix_cache, max_num_seqs: int, max_len: int, make
     """The engine's warm-up. `make_scheduler(prefix_cache, chunk)` builds a private scheduler
     on the engine's settings; it gets a prefix cache of its own (the engine's block size and
     layout, no disk tier) where the engine has one, dropped with it when the warm-up ends."""
-    import mlx.core as mx
-
     def private_scheduler(chunk: int):
         cache = None
         if prefix_cache is not None and not prefix_cache.disabled:
@@ -215,5 +226,4 @@ def make_warmup(cfg, loaded, prefix_cache, max_num_seqs: int, max_len: int, make
         return make_scheduler(cache, chunk)
 
     return Warmup(cfg.warmup, private_scheduler, vocab_size=loaded.vocab_size or 1000,
-                  chunk=cfg.prefill_chunk_size, max_num_seqs=max_num_seqs, gpu=mx.default_device().type == mx.gpu,
-                  max_len=max_len)
+                  chunk=cfg.prefill_chunk_size, max_num_seqs=max_num_seqs, full=full_plan(), max_len=max_len)
