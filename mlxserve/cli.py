@@ -110,13 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="The prompt text.")
     add_arguments(p, ModelConfig, EngineConfig, positional=False)
     _sampling_args(p)
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=cmd_generate, warmup=0.0)  # one request: a warm-up would only delay it
 
     p = sub.add_parser("chat", help="Send one chat message (with the model's chat template) and print the answer.")
     p.add_argument("message")
     add_arguments(p, ModelConfig, EngineConfig, positional=False)
     _sampling_args(p)
-    p.set_defaults(func=cmd_chat)
+    p.set_defaults(func=cmd_chat, warmup=0.0)
 
     p = sub.add_parser("convert", help="Write any model source (GGUF, dummy, ...) as a plain MLX folder.")
     add_arguments(p, ModelConfig, exclude={"draft_model"})
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shapes", help="List the named model shapes for --load-format dummy.")
     p.set_defaults(func=cmd_shapes)
 
-    p = sub.add_parser("bench", help="Benchmarks: engine, serve, prefix, multimodal, grammar, soak.")
+    p = sub.add_parser("bench", help="Benchmarks: engine, serve, prefix, multimodal, grammar, soak, spec, warmup.")
     from mlxserve.bench import add_bench_parsers
 
     add_bench_parsers(p)

@@ -149,6 +149,15 @@ class EngineConfig:
         "boundaries), each between two decode steps of the running requests; 0 runs the "
         "whole tower at once.",
     )
+    warmup: float = setting(
+        300.0,
+        "Seconds of warm-up after start: while idle, the engine runs each serving path once with "
+        "synthetic tokens (chunked prefill, prefix-cache restores, decoding alone and in batches up "
+        "to --max-num-seqs, sampling; on the CPU three short phases), so that the kernels MLX builds "
+        "on first use (minutes on a fresh GPU machine) are built before users' requests. A request "
+        "that arrives meanwhile waits for one phase at most; the phases stop once this time is "
+        "spent. Nothing of it stays in the prefix cache or the statistics. 0: off.",
+    )
     solo_fast_path: bool = setting(
         True,
         "Decode a lone request with a lean single-sequence loop (like mlx-lm's "

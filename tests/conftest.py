@@ -66,6 +66,11 @@ class LiveServer:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
+        # As a deployment waits for /health's warm-up: tests that break or hold the model then
+        # break their own requests, not the warm-up's (engine/warmup.py).
+        for entry in self.pool.entries.values():
+            if entry.engine is not None:
+                entry.engine.warmed.wait(120)
 
     def close(self) -> None:
         self._server.should_exit = True

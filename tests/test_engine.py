@@ -229,6 +229,7 @@ def test_engine_error_fails_the_batch_and_keeps_serving(tiny):
     flaky = Flaky(loaded.model)
     engine = AsyncEngine(type(loaded)(**{**loaded.__dict__, "model": flaky}), EngineConfig()).start()
     try:
+        assert engine.warmed.wait(60)  # the warm-up calls the model too
         flaky.fail = True
         with pytest.raises(EngineError, match="injected failure"):
             asyncio.run(tokens_of(engine, prompts_for(1)[0], greedy(4)))

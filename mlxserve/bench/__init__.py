@@ -1,8 +1,8 @@
-"""Benchmarks: `mlxserve bench engine | serve | prefix | multimodal | grammar | crash | soak | spec`."""
+"""Benchmarks: `mlxserve bench engine | serve | prefix | multimodal | grammar | crash | soak | spec | warmup`."""
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import crash, engine, grammar, multimodal, prefix, serve, soak, spec
+    from mlxserve.bench import crash, engine, grammar, multimodal, prefix, serve, soak, spec, warmup
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
@@ -13,3 +13,4 @@ def add_bench_parsers(parser) -> None:
     crash.add_parser(sub)
     soak.add_parser(sub)
     spec.add_parser(sub)
+    warmup.add_parser(sub)

@@ -143,7 +143,7 @@ def bench_model(spec: dict, args, concurrency: list[int]) -> dict:
     def engine(solo: bool) -> AsyncEngine:
         # No prefix cache: repeated prompts would hit it, and this measures the engine.
         return AsyncEngine(loaded, EngineConfig(max_num_seqs=max_c, solo_fast_path=solo,
-                                                prefix_cache=False, kv_bits=args.kv_bits)).start()
+                                                prefix_cache=False, kv_bits=args.kv_bits)).start(wait_warmup=True)
 
     solo_engine, batch_engine = engine(True), engine(False)
     try:

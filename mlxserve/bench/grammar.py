@@ -77,7 +77,8 @@ def bench_model(spec: dict, args, concurrency: list[int]) -> dict:
     tokenizer_s = time.perf_counter() - start
     n = args.output_len
     rows = []
-    engine = AsyncEngine(loaded, EngineConfig(max_num_seqs=max(concurrency), prefix_cache=False)).start()
+    engine = AsyncEngine(loaded, EngineConfig(max_num_seqs=max(concurrency), prefix_cache=False)).start(
+        wait_warmup=True)
     try:
         for c in concurrency:
             print(f"   concurrency {c}", file=sys.stderr, flush=True)

@@ -1,5 +1,6 @@
-"""A local server child for benchmarks and tests: a free port, whether it is healthy, and a child
-process that serves on it (`mlxserve serve` or another OpenAI-compatible server) with its log."""
+"""A local server child for benchmarks and tests: a free port, whether it is healthy (and, for
+mlxserve, warmed up), and a child process that serves on it (`mlxserve serve` or another
+OpenAI-compatible server) with its log."""
 
 from __future__ import annotations
 
@@ -38,15 +39,16 @@ class ChildServer:
         with os.fdopen(fd, "w") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
-    def wait_healthy(self, timeout: float) -> float:
-        """Seconds from now to a healthy /health; RuntimeError (with the log's tail) if the child
-        exits first or is not healthy within `timeout`."""
+    def wait_healthy(self, timeout: float, ready=None) -> float:
+        """Seconds from now until `ready(base_url)` (default: a healthy /health); RuntimeError (with
+        the log's tail) if the child exits first or is not ready within `timeout`."""
+        ready = ready or healthy
         start = time.monotonic()
         while time.monotonic() - start < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"exited with {self.proc.returncode} while starting (log: {self.log}); "
                                    f"its log ends:\n{self.log_tail()}")
-            if healthy(self.base_url):
+            if ready(self.base_url):
                 return time.monotonic() - start
             time.sleep(0.5)
         raise RuntimeError(f"not healthy within {timeout:.0f} s (log: {self.log}); its log ends:\n{self.log_tail()}")
@@ -66,3 +68,18 @@ class ChildServer:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def warmed(base_url: str) -> bool:
+    """Whether the server at `base_url` is healthy and every loaded model's warm-up is over
+    (engine/warmup.py: its phases run while the engine is idle, so a benchmark that starts its
+    load before would have them between its requests, or after them)."""
+    try:
+        r = httpx.get(base_url + "/health", timeout=5)
+    except httpx.HTTPError:
+        return False
+    if r.status_code != 200:
+        return False
+    body = r.json()
+    infos = body["models"].values() if "models" in body else [body]
+    return all(i.get("warmup", {}).get("state") not in ("pending", "running") for i in infos)

@@ -77,7 +77,7 @@ class Bench:
         settings.setdefault("kv_bits", self.args.kv_bits)
         return AsyncEngine(self.loaded, EngineConfig(
             prefix_cache=prefix, vision_cache_memory="1GB" if vision else "0", cache_memory="50%",
-            **settings)).start()
+            **settings)).start(wait_warmup=True)
 
     def turn(self, engine, messages, max_tokens=None) -> dict:
         """One chat turn: TTFT, whole-turn latency, the answer, cached tokens."""

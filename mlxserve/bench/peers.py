@@ -15,7 +15,9 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from mlxserve.bench.local import ChildServer, free_port
+from typing import Callable
+
+from mlxserve.bench.local import ChildServer, free_port, healthy, warmed
 
 
 @dataclass(frozen=True)
@@ -28,10 +30,12 @@ class Peer:
     honours_ignore_eos: bool = True
     note: str = ""
     env: dict = field(default_factory=dict)
+    ready: Callable[[str], bool] = healthy  # when to start the load (its base URL, no /v1)
 
 
 PEERS = {p.name: p for p in (
-    Peer("mlxserve", "mlxserve.cli", ("serve", "{model}"), ("mlxserve", "mlx", "mlx-lm")),
+    # Its warm-up runs while the engine is idle: the load starts after it, as a user's would.
+    Peer("mlxserve", "mlxserve.cli", ("serve", "{model}"), ("mlxserve", "mlx", "mlx-lm"), ready=warmed),
     # Batches concurrent requests by default (--decode-concurrency 32, --prompt-concurrency 8).
     Peer("mlx_lm", "mlx_lm.server", ("--model", "{model}"), ("mlx-lm", "mlx"), model="default_model",
          honours_ignore_eos=False, note="batches by default (--decode-concurrency 32)"),
@@ -101,7 +105,7 @@ class Started:
         print(f"starting {self.peer.name}: {shlex.join(self.command)}", file=sys.stderr)
         self.child = ChildServer(self.command, self.port, self.env, self.peer.name)
         try:
-            self.startup_s = self.child.wait_healthy(self.timeout)
+            self.startup_s = self.child.wait_healthy(self.timeout, self.peer.ready)
         except BaseException:
             self.child.stop()
             raise

@@ -113,7 +113,7 @@ def start_engine(loaded, args, **settings):
     from mlxserve.config import EngineConfig
     from mlxserve.engine.engine import AsyncEngine
 
-    return AsyncEngine(loaded, EngineConfig(kv_bits=args.kv_bits, **settings)).start()
+    return AsyncEngine(loaded, EngineConfig(kv_bits=args.kv_bits, **settings)).start(wait_warmup=True)
 
 
 def measure_lengths(loaded, args, rng, vocab) -> list[dict]:

@@ -415,13 +415,13 @@ class ChildServer:
         print(f"started: {shlex.join(self.command)} (pid {self.pid}, log {self.log})", file=sys.stderr)
 
     def wait_ready(self, timeout: float) -> None:
-        from mlxserve.bench.local import healthy
+        from mlxserve.bench.local import warmed
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit(f"the server exited with {self.proc.returncode} while loading:\n{self.log_tail()}")
-            if healthy(self.url.removesuffix("/v1")):
+            if warmed(self.url.removesuffix("/v1")):  # healthy, and its warm-up over: none of it in the series
                 return
             time.sleep(1)
         raise SystemExit(f"the server was not ready within {timeout:.0f} s:\n{self.log_tail()}")

@@ -152,7 +152,7 @@ def bench(args) -> dict:
     for mode in modes:
         # No prefix cache: every pass prefills its prompt the same way, and only decoding differs.
         cfg = EngineConfig(prefix_cache=False, speculative=None if mode == "off" else mode, **tuning)
-        engines[mode] = AsyncEngine(loaded if mode == "draft" else plain, cfg).start()
+        engines[mode] = AsyncEngine(loaded if mode == "draft" else plain, cfg).start(wait_warmup=True)
     cfg = EngineConfig(**tuning)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows = []

@@ -96,9 +96,14 @@ class AsyncEngine:
         self.kv_budget = None  # a KVBudget, made on the MLX thread (engine/guard.py)
         self.watchdog = Watchdog(self.config.step_timeout, self._on_stall)
         self.pins = PrefixPins(self)  # pinned prefixes (engine/pins.py)
+        self.warmup = None  # a Warmup (engine/warmup.py) while its phases run, made on the MLX thread
+        self.warmed = threading.Event()  # set once the warm-up is over (or off)
+        self.warmup_status = {"state": "off"}  # its outcome, for /health (Warmup.status())
 
     # ---- lifetime ----
-    def start(self) -> "AsyncEngine":
+    def start(self, wait_warmup: bool = False) -> "AsyncEngine":
+        """Start the MLX thread; `wait_warmup`: return once the warm-up is over too (benchmarks:
+        no warm-up phase then runs between their timed requests)."""
         if self._thread is None:
             # The engine thread holds the GIL while it builds the next step's graph
             # (milliseconds of Python); at the default 5 ms switch interval the event
@@ -111,6 +116,8 @@ class AsyncEngine:
             if self.fatal_error:
                 raise EngineDeadError(self.fatal_error)
             self.watchdog.start()
+        if wait_warmup:
+            self.warmed.wait()
         return self
 
     def stop(self, timeout: float = 10.0, release_model: bool = False) -> None:
@@ -143,6 +150,8 @@ class AsyncEngine:
                "step_running_s": wd.running_s(), "step_timeout_s": wd.timeout_s or None, "stalls": wd.stalls}
         if self.kv_budget is not None:
             out["kv_budget_bytes"] = self.kv_budget.budget
+        warmup = self.warmup  # read once: the MLX thread drops it when done
+        out["warmup"] = warmup.status() if warmup is not None else self.warmup_status
         return out
 
     def _stalled_error(self) -> EngineStalledError:
@@ -348,6 +357,7 @@ class AsyncEngine:
         from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
         from mlxserve.engine.scheduler import Scheduler
         from mlxserve.engine.speculative import make_speculation
+        from mlxserve.engine.warmup import make_warmup
         from mlxserve.models.families import prefill_batch_size, unbatchable_layers
 
         cfg = self.config
@@ -391,29 +401,24 @@ class AsyncEngine:
             max_num_seqs = 1
         solo_path = cfg.solo_fast_path or bool(unbatchable)
         self.speculation = make_speculation(cfg, self.loaded, solo_path=solo_path)
-        runner = Runner(
-            self.loaded.model,
-            max_num_seqs=max_num_seqs,
-            prefill_chunk_size=cfg.prefill_chunk_size,
-            prefill_batch_size=prefill_batch_size(self.loaded.config, cfg.prefill_batch_size),
-            solo_fast_path=solo_path,
-            prefix_cache=self.prefix_cache,
-            vision=self.loaded.vision,
-            vision_cache=self.vision_cache,
-            vision_step_s=cfg.vision_step_ms / 1e3,
-            kv_bits=cfg.kv_bits,
-            dequantize_kv=dequantize_kv,
-            keep_image_embeddings=cfg.keep_image_embeddings,
-            speculation=self.speculation,
-        )
+        def make_runner(prefix_cache, chunk, speculation):  # the engine's, and the warm-up's own
+            return Runner(self.loaded.model, max_num_seqs=max_num_seqs, prefill_chunk_size=chunk,
+                          prefill_batch_size=prefill_batch_size(self.loaded.config, cfg.prefill_batch_size),
+                          solo_fast_path=solo_path, prefix_cache=prefix_cache, vision=self.loaded.vision,
+                          vision_cache=self.vision_cache, vision_step_s=cfg.vision_step_ms / 1e3,
+                          kv_bits=cfg.kv_bits, dequantize_kv=dequantize_kv,
+                          keep_image_embeddings=cfg.keep_image_embeddings, speculation=speculation)
+
+        def make_scheduler(runner, kv_budget=None):
+            return Scheduler(runner, eos_token_ids=self.tokenizer.eos_token_ids, vocab_size=self.loaded.vocab_size,
+                             max_num_seqs=max_num_seqs, kv_budget=kv_budget)
+
         self.kv_budget = kv_budget_for(self.loaded.model, cfg, dequantize_kv, self.prefix_cache, self.vision_cache)
-        scheduler = Scheduler(
-            runner,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-            vocab_size=self.loaded.vocab_size,
-            max_num_seqs=max_num_seqs,
-            kv_budget=self.kv_budget,
-        )
+        scheduler = make_scheduler(make_runner(self.prefix_cache, cfg.prefill_chunk_size, self.speculation),
+                                   self.kv_budget)
+        if cfg.warmup > 0:
+            self.warmup = make_warmup(cfg, self.loaded, self.prefix_cache, max_num_seqs, self.max_model_len,
+                                      lambda cache, chunk: make_scheduler(make_runner(cache, chunk, None)))
         return scheduler
 
     def _run(self) -> None:
@@ -425,6 +430,8 @@ class AsyncEngine:
                 self.fatal_error = f"engine failed to start: {e!r}"
                 return
             finally:
+                if self.warmup is None:
+                    self.warmed.set()
                 self._ready.set()
             scheduler_ran = True
             self._loop(scheduler)
@@ -434,6 +441,8 @@ class AsyncEngine:
             self._fail_all("engine loop crashed")
         finally:
             self._stopping = True
+            self.warmup = None  # a warm-up cut short by stop(): its private runner goes with the rest
+            self.warmed.set()
             self.watchdog.stop()
             # Free this engine's MLX arrays here, in the thread that owns MLX, and wait
             # for its GPU work: left to the garbage collector, they would be freed from
@@ -476,6 +485,9 @@ class AsyncEngine:
                     block = False
                 else:
                     idle_wait = 0.02
+            if block and self.warmup is not None and self._commands.empty():
+                self._warm_up()  # one phase while idle: a request that arrives waits for it at most
+                continue
             if block:  # idle: sleep until a command arrives (wake now and then)
                 try:
                     commands.append(self._commands.get(timeout=idle_wait))
@@ -533,6 +545,13 @@ class AsyncEngine:
             self.num_waiting = len(scheduler.waiting)
             if outbox:
                 self._publish(outbox)
+
+    def _warm_up(self) -> None:
+        self.warmup.run_next()
+        if not self.warmup.pending:
+            self.warmup_status = self.warmup.status()
+            self.warmup = None
+            self.warmed.set()
 
     def _publish(self, outbox: dict[str, list]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
