@@ -345,6 +345,7 @@ class AsyncEngine:
     def _setup(self):
         """Build the caches, the runner and the scheduler (on the MLX thread); returns the scheduler."""
         from mlxserve.engine.runner import Runner
+        from mlxserve.engine.compiled import wanted as compiled_decode_wanted
         from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
         from mlxserve.engine.scheduler import Scheduler
         from mlxserve.engine.speculative import make_speculation
@@ -405,6 +406,7 @@ class AsyncEngine:
             dequantize_kv=dequantize_kv,
             keep_image_embeddings=cfg.keep_image_embeddings,
             speculation=self.speculation,
+            compile_decode=compiled_decode_wanted(cfg.compile_decode),
         )
         self.kv_budget = kv_budget_for(self.loaded.model, cfg, dequantize_kv, self.prefix_cache, self.vision_cache)
         scheduler = Scheduler(
