@@ -45,13 +45,16 @@ def wanted(setting: str) -> bool:
     return setting == "on" or (setting == "auto" and mx.default_device().type == mx.gpu)
 
 
+def _bucket(tokens: int) -> int:
+    return max(BUCKET, -(-tokens // BUCKET) * BUCKET)
+
+
 def capacity(tokens: int, limit: int | None = None) -> int:
-    """The buffer length for `tokens` tokens: a quarter more, rounded up to BUCKET (a new trace
-    per growth: about 20 from 256 to 32k tokens), but no more than `limit` (the most the
-    sequence will hold: its KV budget counts that much) unless `tokens` is more."""
-    want = tokens + tokens // 4
-    want = max(BUCKET, -(-want // BUCKET) * BUCKET)
-    return max(tokens, min(want, limit)) if limit is not None else want
+    """The buffer length for `tokens` tokens: a quarter more, rounded up to BUCKET (about 20
+    growths from 256 to 32k tokens), but no more than `limit` (the most the sequence will hold,
+    what its KV budget counts), rounded up too. Each length is traced once per process."""
+    want = _bucket(tokens + tokens // 4)
+    return max(_bucket(tokens), min(want, _bucket(limit))) if limit is not None else want
 
 
 class _BufferView:
@@ -75,13 +78,15 @@ class CompiledDecode:
     """The model's one-token forward pass over a KVCache list, compiled per buffer bucket."""
 
     def __init__(self, model):
-        self.model = model
-        self._step = mx.compile(self._traced)
+        # A closure over the model alone: MLX drops the traces (which hold the weights) when
+        # this compiled function goes, so nothing of it may refer back to it (an unloaded
+        # model's weights must go with its engine).
+        def step(token, offset, keys, values):
+            views = [_BufferView(k, v, offset) for k, v in zip(keys, values)]
+            logits = model(token[None], cache=views)[:, -1, :]
+            return logits, [v.keys for v in views], [v.values for v in views]
 
-    def _traced(self, token, offset, keys, values):
-        views = [_BufferView(k, v, offset) for k, v in zip(keys, values)]
-        logits = self.model(token[None], cache=views)[:, -1, :]
-        return logits, [v.keys for v in views], [v.values for v in views]
+        self._step = mx.compile(step)
 
     def __call__(self, token: mx.array, cache: list, limit: int | None = None) -> mx.array:
         """Logits (1, vocab) of the token after `token` (shape (1,)); writes its KV into `cache`
