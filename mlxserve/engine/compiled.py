@@ -93,7 +93,10 @@ class CompiledDecode:
         (which holds at least one token: the prompt's prefill made its buffers). `limit`: the
         most tokens the cache will hold, which its buffers need not outgrow."""
         n = cache[0].offset
-        if n + 1 > cache[0].keys.shape[2]:
+        length = cache[0].keys.shape[2]
+        # Eager passes leave other lengths (a restored prefix, a chunk's prefill, a verify
+        # pass growing the buffer by 256 from where it was): each would be a trace of its own.
+        if n + 1 > length or length % BUCKET:
             _grow(cache, capacity(n + 1, limit))
         keys = [c.keys for c in cache]
         values = [c.values for c in cache]
@@ -106,6 +109,7 @@ class CompiledDecode:
 
 
 def _grow(cache: list, length: int) -> None:
+    """Make every layer's buffers `length` long, keeping the tokens written."""
     for c in cache:
         n = c.offset
         c.keys, c.values = (mx.concatenate([a[..., :n, :], mx.zeros((*a.shape[:2], length - n, a.shape[3]), a.dtype)],
