@@ -163,6 +163,15 @@ class EngineConfig:
         "Decode a lone request with a lean single-sequence loop (like mlx-lm's "
         "generate_step) and move it into the batch when others arrive.",
     )
+    compile_decode: str = setting(
+        "auto",
+        "Compile the lone request's one-token decode step (mx.compile: the step's graph is traced "
+        "once and replayed, attending over a KV buffer that grows in buckets) for models whose every "
+        "layer is plain full attention (Qwen2, Qwen3, Llama; others and --kv-bits decode as before); "
+        "the tokens are the same. auto: on with a GPU, where a step is bound by host work, off on "
+        "the CPU backend, where it is bound by the matmuls.",
+        choices=("auto", "on", "off"),
+    )
     speculative: str | None = setting(
         None,
         "Speculative decoding for a request that runs alone (the lone path): ngram proposes the "

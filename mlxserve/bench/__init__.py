@@ -1,11 +1,12 @@
-"""Benchmarks: `mlxserve bench engine | serve | prefix | multimodal | grammar | crash | soak | spec | warmup`."""
+"""Benchmarks: `mlxserve bench engine | decode | serve | prefix | multimodal | grammar | crash | soak | spec | warmup`."""
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import crash, engine, grammar, multimodal, prefix, serve, soak, spec, warmup
+    from mlxserve.bench import crash, decode, engine, grammar, multimodal, prefix, serve, soak, spec, warmup
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
+    decode.add_parser(sub)
     serve.add_parser(sub)
     prefix.add_parser(sub)
     multimodal.add_parser(sub)

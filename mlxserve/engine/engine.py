@@ -354,6 +354,7 @@ class AsyncEngine:
     def _setup(self):
         """Build the caches, the runner and the scheduler (on the MLX thread); returns the scheduler."""
         from mlxserve.engine.runner import Runner
+        from mlxserve.engine.compiled import wanted as compiled_decode_wanted
         from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
         from mlxserve.engine.scheduler import Scheduler
         from mlxserve.engine.speculative import make_speculation
@@ -407,7 +408,8 @@ class AsyncEngine:
                           solo_fast_path=solo_path, prefix_cache=prefix_cache, vision=self.loaded.vision,
                           vision_cache=self.vision_cache, vision_step_s=cfg.vision_step_ms / 1e3,
                           kv_bits=cfg.kv_bits, dequantize_kv=dequantize_kv,
-                          keep_image_embeddings=cfg.keep_image_embeddings, speculation=speculation)
+                          keep_image_embeddings=cfg.keep_image_embeddings, speculation=speculation,
+                          compile_decode=compiled_decode_wanted(cfg.compile_decode))
 
         def make_scheduler(runner, kv_budget=None):
             return Scheduler(runner, eos_token_ids=self.tokenizer.eos_token_ids, vocab_size=self.loaded.vocab_size,

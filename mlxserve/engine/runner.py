@@ -23,6 +23,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 from mlxserve.cache import chunked
 from mlxserve.cache.quantized import make_cache, set_dequantize
 from mlxserve.engine import grammar as constrained
+from mlxserve.engine.compiled import CompiledDecode, compilable
 from mlxserve.engine.grammar import grammar_of
 from mlxserve.engine.media import MediaPrefill
 from mlxserve.engine.request import Request
@@ -104,8 +105,11 @@ class SoloDecoder:
     """One sequence, prefilled in chunks and decoded like `generate_step`."""
 
     def __init__(self, model, seq: Sequence, chunk_size: int, cache, prefix_cache=None, prefilled=None,
-                 prompt_inputs=None, spec=None):
+                 prompt_inputs=None, spec=None, compiled: CompiledDecode | None = None):
         self.model = model
+        # One-token decode passes go through the compiled step where the model and cache allow it.
+        use = compiled is not None and prompt_inputs is None and compilable(model, cache)
+        self.compiled = compiled if use else None
         # For prompts with images: prompt_inputs(start, end) gives the model's extra inputs
         # (embeddings, positions) for prompt tokens [start, end); prompt_inputs.end is where they stop.
         self.prompt_inputs = prompt_inputs
@@ -143,7 +147,11 @@ class SoloDecoder:
         return self.prompt_inputs(start, start + n)
 
     def _forward(self, tokens: mx.array, inputs: dict | None = None):
-        logits = self.model(tokens[None], cache=self.cache, **(inputs or {}))[:, -1, :]
+        if self.compiled is not None and tokens.size == 1 and not inputs and self.cache[0].keys is not None:
+            limit = len(self.seq.request.prompt_token_ids) + self.seq.max_tokens
+            logits = self.compiled(tokens, self.cache, limit)
+        else:
+            logits = self.model(tokens[None], cache=self.cache, **(inputs or {}))[:, -1, :]
         if self.penalties:
             self._extend_context(tokens)
             for processor in self.penalties:
@@ -287,8 +295,10 @@ class Runner:
     def __init__(self, model, *, max_num_seqs: int, prefill_chunk_size: int,
                  prefill_batch_size: int, solo_fast_path: bool = True, prefix_cache=None,
                  vision=None, vision_cache=None, vision_step_s: float = 0.02, kv_bits: int | None = None,
-                 dequantize_kv: bool = False, keep_image_embeddings: bool = False, speculation=None):
+                 dequantize_kv: bool = False, keep_image_embeddings: bool = False, speculation=None,
+                 compile_decode: bool = False):
         self.model = model
+        self.compiled = CompiledDecode(model) if compile_decode else None  # the solo path's one-token step
         self.speculation = speculation  # engine/speculative.py's Speculation, for the solo path, or None
         self.kv_bits = kv_bits  # quantized KV (full-attention layers), or None
         self.dequantize_kv = dequantize_kv  # attention reads that KV dequantized (cache/quantized.py)
@@ -371,7 +381,7 @@ class Runner:
         if self._solo_free():
             spec = self.speculation.for_sequence(seq) if self.speculation is not None else None
             self.solo = SoloDecoder(self.model, seq, self.prefill_chunk_size, cache, self.prefix_cache, prefilled,
-                                    prompt_inputs, spec)
+                                    prompt_inputs, spec, self.compiled)
             return []
         events = []
         if self.solo is not None:
