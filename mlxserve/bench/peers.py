@@ -73,7 +73,12 @@ def versions(peer: Peer, env: dict) -> dict:
     """The peer's package versions as its child will import them; RuntimeError if it cannot import."""
     code = ("import importlib, importlib.metadata as md, json, sys\n"
             f"importlib.import_module({peer.module.split('.')[0]!r})\n"
-            f"print(json.dumps({{p: md.version(p) for p in {list(peer.packages)!r}}}))")
+            "def version(p):\n"
+            "    try:\n"
+            "        return md.version(p)\n"
+            "    except md.PackageNotFoundError:  # run from a source tree (PYTHONPATH), not installed\n"
+            "        return getattr(importlib.import_module(p.replace('-', '_')), '__version__', 'unknown')\n"
+            f"print(json.dumps({{p: version(p) for p in {list(peer.packages)!r}}}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
