@@ -2,11 +2,12 @@
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import crash, engine, grammar, multimodal, prefix, serve, soak, spec
+    from mlxserve.bench import crash, engine, grammar, http, multimodal, prefix, serve, soak, spec
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
     serve.add_parser(sub)
+    http.add_parser(sub)
     prefix.add_parser(sub)
     multimodal.add_parser(sub)
     grammar.add_parser(sub)
