@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from mlxserve.config import EngineConfig
-from mlxserve.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
+from mlxserve.engine.detokenize import IncrementalDetokenizer, StopStringMatcher, fast_decode
 from mlxserve.engine.guard import Watchdog, kv_budget_for
 from mlxserve.engine.pins import PrefixPins
 from mlxserve.engine.request import (
@@ -64,14 +64,40 @@ class _Failure:
     error: type = EngineError  # what the caller's stream raises
 
 
-_ABORTED = object()  # put in a stream's queue by abort()
+_ABORTED = object()  # put in a stream's items by abort()
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    request: Request
+    """One request's items, handed from the MLX thread to its caller's event loop.
+
+    A list and a future made only while the caller waits: asyncio.Queue's machinery
+    (a getter future per item, loop binding checks) cost more per token than the
+    rest of the hand-over, on the thread the MLX thread waits on for the GIL."""
+
+    __slots__ = ("loop", "request", "items", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: Request):
+        self.loop = loop
+        self.request = request
+        self.items: list = []
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, items: list) -> None:
+        """On the caller's loop (call_soon_threadsafe from the MLX thread)."""
+        self.items += items
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def get(self) -> list:
+        """Every item delivered since the last get; waits for one if there is none."""
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        items, self.items = self.items, []
+        return items
 
 
 class AsyncEngine:
@@ -79,6 +105,7 @@ class AsyncEngine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
+        self._decode = fast_decode(loaded.tokenizer)  # the streams' detokenizers share it
         self.max_model_len = self.config.max_model_len or loaded.context_length
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -210,7 +237,7 @@ class AsyncEngine:
             )
         if request.request_id in self._streams:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request)
+        stream = _Stream(asyncio.get_running_loop(), request)
         self._streams[request.request_id] = stream
         self._commands.put(("add", (request, max_tokens)))
         return self._outputs(stream)
@@ -269,21 +296,21 @@ class AsyncEngine:
         if stream is not None:
             self._commands.put(("abort", request_id))
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, [_ABORTED])
+                stream.loop.call_soon_threadsafe(stream.put, [_ABORTED])
             except RuntimeError:
                 pass  # the caller's loop is closed: nobody is iterating
 
     async def _outputs(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
         request = stream.request
         params = request.params
-        detok = IncrementalDetokenizer(self.tokenizer)
+        detok = IncrementalDetokenizer(self.tokenizer, self._decode)
         stops = StopStringMatcher(params.stop)
         completion_tokens = 0
         first_token_time = None
         done = False
         try:
             while not done:
-                for item in await stream.queue.get():
+                for item in await stream.get():
                     if isinstance(item, _Failure):
                         done = True
                         raise item.error(item.message)
@@ -539,7 +566,7 @@ class AsyncEngine:
         for request_id, items in outbox.items():
             stream = self._streams.get(request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, items))
+                by_loop.setdefault(stream.loop, []).append((stream, items))
         for loop, deliveries in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, deliveries)
@@ -588,5 +615,5 @@ def default_block_size() -> int:
 
 
 def _deliver(deliveries) -> None:
-    for q, items in deliveries:
-        q.put_nowait(items)
+    for stream, items in deliveries:
+        stream.put(items)
