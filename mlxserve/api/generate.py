@@ -158,6 +158,12 @@ class Run:
             self._failed(index)
             self._queue.put_nowait((index, e))
 
+    def pending(self) -> bool:
+        """Whether an output is already here, so the next one comes without waiting."""
+        if self._stream is not None:
+            return self.state.engine.pending(self.requests[0].request_id)
+        return not self._queue.empty()
+
     def shutdown(self) -> None:
         """End the run now (server shutdown): its reader gets an APIError 503 after the outputs
         already delivered."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import shlex
@@ -130,15 +131,85 @@ def run_engine(engine, prompts, c, n_out) -> tuple[int, float]:
     return asyncio.run(_engine_level(engine, prompts, c, n_out))
 
 
-def run_http(client_args: Namespace, model: str, prompts: list, c: int, n_out: int) -> tuple[int, float, int]:
-    """(output tokens, seconds, failed requests) of the closed loop over HTTP."""
-    from mlxserve.bench.serve import run_level
+async def lean_request(host: str, port: int, path: str, body: dict) -> tuple[int, str]:
+    """(completion tokens, error or "") of one streamed request, read as lightly as a client can be:
+    raw bytes on its own connection until the server closes it, parsed once at the end (the
+    load generator shares the host with the server: httpx and a json.loads per chunk cost more
+    CPU per token than the server's own event loop)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    payload = json.dumps(body).encode()
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+    parts = []
+    try:
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                break
+            parts.append(data)
+    finally:
+        writer.close()
+    raw = b"".join(parts)
+    head, _, body_bytes = raw.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        return 0, head.split(b"\r\n", 1)[0].decode(errors="replace") + " " + body_bytes[:200].decode(errors="replace")
+    if b"transfer-encoding: chunked" in head.lower():
+        body_bytes = _unchunk(body_bytes)
+    usage = None
+    for line in body_bytes.split(b"\n"):
+        if line.startswith(b"data: {") and b'"usage":{' in line:
+            usage = json.loads(line[6:]).get("usage")
+        elif line.startswith(b'data: {"error"'):
+            return 0, line[6:206].decode(errors="replace")
+    if b"data: [DONE]" not in body_bytes or not usage:
+        return 0, "the stream ended without usage and [DONE]"
+    return usage["completion_tokens"], ""
 
-    results, duration = asyncio.run(run_level(client_args, model, c, list(prompts), None, output_len=n_out))
-    failed = [r for r in results if not r.ok]
+
+def _unchunk(data: bytes) -> bytes:
+    """The payload of an HTTP/1.1 chunked body."""
+    out, i = [], 0
+    while True:
+        j = data.index(b"\r\n", i)
+        size = int(data[i:j].split(b";")[0], 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(data[j + 2:j + 2 + size])
+        i = j + 2 + size + 2
+
+
+async def _http_level(url: str, body_of, prompts: list, c: int) -> tuple[int, float, int, str]:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    todo = list(prompts)
+    tokens = failed = 0
+    error = ""
+
+    async def worker():
+        nonlocal tokens, failed, error
+        while todo:
+            n, err = await lean_request(parts.hostname, parts.port, parts.path, body_of(todo.pop(0)))
+            tokens += n
+            if err:
+                failed, error = failed + 1, err
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(c)))
+    return tokens, time.perf_counter() - start, failed, error
+
+
+def run_http(args, url: str, model: str, prompts: list, c: int, n_out: int) -> tuple[int, float, int]:
+    """(output tokens, seconds, failed requests) of the closed loop over HTTP."""
+    from mlxserve.bench.serve import request_body
+
+    client = Namespace(endpoint=args.endpoint, ignore_eos=True, output_len=n_out)
+    path = "/chat/completions" if args.endpoint == "chat" else "/completions"
+    tokens, seconds, failed, error = asyncio.run(_http_level(
+        url.rstrip("/") + path, lambda p: request_body(client, model, p), prompts, c))
     if failed:
-        print(f"   http: {len(failed)} failed: {failed[0].error}", file=sys.stderr, flush=True)
-    return sum(r.output_tokens for r in results if r.ok), duration, len(failed)
+        print(f"   http: {failed} failed: {error}", file=sys.stderr, flush=True)
+    return tokens, seconds, failed
 
 
 # ---- the server child ----
@@ -177,11 +248,16 @@ class ServerChild:
                 raise SystemExit(f"the server was not ready after {START_TIMEOUT_S} s (log: {self.log.name})")
             time.sleep(0.2)
 
-    def cpu_seconds(self) -> float | None:
-        """User + system CPU seconds of the server so far (Linux), else None."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    def cpu_seconds(self) -> tuple[float, float] | None:
+        """User + system CPU seconds of the server so far, all threads and its main thread
+        (the event loop: HTTP, detokenizing), on Linux; else None."""
+        def read(path: str) -> float:
+            fields = Path(path).read_text().rsplit(")", 1)[1].split()
             return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        pid = self.proc.pid
+        try:
+            return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
         except (OSError, ValueError, IndexError):
             return None
 
@@ -207,11 +283,12 @@ def engine_config(server_args: str, max_c: int):
     return from_namespace(EngineConfig, ns), flags
 
 
-def _measure(fn) -> tuple[int, float, float, float | None]:
-    """fn() -> (tokens, seconds[, ...]) plus this process's CPU seconds over it."""
-    cpu = time.process_time()
+def _measure(fn) -> tuple[int, float, float, float]:
+    """fn() -> (tokens, seconds[, ...]), plus this process's CPU seconds over it: all threads,
+    and the main thread's (the event loop, or the bare loop itself)."""
+    cpu, main = time.process_time(), time.thread_time()
     out = fn()
-    return (*out[:2], time.process_time() - cpu)
+    return (*out[:2], time.process_time() - cpu, time.thread_time() - main)
 
 
 def run(args) -> int:
@@ -236,23 +313,22 @@ def run(args) -> int:
                   dtype=args.dtype)
     vocab = loaded.vocab_size or 32000
     engine = AsyncEngine(loaded, cfg).start() if "engine" in modes else None
-    client = Namespace(url="", endpoint=args.endpoint, ignore_eos=True, api_key=None, timeout=600.0,
-                       output_len=args.output_len)
+    url = ""
     model_name = None
     rng = random.Random(args.seed)
     rows = []
     try:
         if server is not None:
             server.wait_ready()
-            client.url = server.url + "/v1"
-            model_name, _ = server_info(client.url, None, None)
+            url = server.url + "/v1"
+            model_name, _ = server_info(url, None, None)
 
         def one(mode: str, prompts, c: int, n_out: int):
             if mode == "bare":
                 return _measure(lambda: run_bare(loaded, cfg, [p[1] for p in prompts], c, n_out))
             if mode == "engine":
                 return _measure(lambda: run_engine(engine, [p[1] for p in prompts], c, n_out))
-            return _measure(lambda: run_http(client, model_name, [p[0] for p in prompts], c, n_out))
+            return _measure(lambda: run_http(args, url, model_name, [p[0] for p in prompts], c, n_out))
 
         # One short request each first (compilation, allocation), as bench serve does.
         warm = make_prompts(args, loaded.tokenizer, vocab, 1, rng)
@@ -269,13 +345,16 @@ def run(args) -> int:
             for _ in range(args.repeats):
                 for mode in modes:
                     server_cpu = server.cpu_seconds() if (server is not None and mode == "http") else None
-                    tokens, seconds, own_cpu = one(mode, prompts, c, args.output_len)
+                    tokens, seconds, cpu, main = one(mode, prompts, c, args.output_len)
+                    per_token = 1e6 / max(tokens, 1)
                     row = {"tok_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
-                           "client_cpu_ms_per_token": own_cpu / max(tokens, 1) * 1e3 if mode == "http" else None,
-                           "cpu_ms_per_token": own_cpu / max(tokens, 1) * 1e3 if mode != "http" else None}
-                    if server_cpu is not None:
-                        after = server.cpu_seconds()
-                        row["cpu_ms_per_token"] = (after - server_cpu) / max(tokens, 1) * 1e3 if after else None
+                           "cpu_us_per_token": cpu * per_token, "main_thread_us_per_token": main * per_token,
+                           "client_cpu_us_per_token": None}
+                    if mode == "http":  # the work is the server's; this process only ran the load generator
+                        row["client_cpu_us_per_token"] = row["cpu_us_per_token"]
+                        after = server.cpu_seconds() if server_cpu is not None else None
+                        row["cpu_us_per_token"] = (after[0] - server_cpu[0]) * per_token if after else None
+                        row["main_thread_us_per_token"] = (after[1] - server_cpu[1]) * per_token if after else None
                     if mode not in best or row["tok_per_s"] > best[mode]["tok_per_s"]:
                         best[mode] = row
                     print(f"   {mode}: {row['tok_per_s']:,.1f} tok/s", file=sys.stderr, flush=True)
@@ -302,24 +381,31 @@ def markdown(args, info, command, rows, modes, flags) -> str:
         return f"{row[a]['tok_per_s'] / row[b]['tok_per_s']:.2f}" if a in row and b in row else "-"
 
     headers = ["concurrency", "requests", "prompt tokens"] + [f"{m} tok/s" for m in modes]
-    headers += ["http / engine", "engine / bare"] + [f"{m} CPU ms/token" for m in modes]
+    headers += ["http / engine", "engine / bare"] + [f"{m} CPU µs/token" for m in modes]
+    headers += [f"{m} main thread µs/token" for m in modes]
     if "http" in modes:
-        headers.append("load generator CPU ms/token")
+        headers.append("load generator CPU µs/token")
+
+    def num(v):
+        return "-" if v is None else round(v)
+
     table_rows = []
     for row in rows:
         cells = [row["concurrency"], row["requests"], row["prompt_tokens"]]
         cells += [row[m]["tok_per_s"] for m in modes]
         cells += [ratio(row, "http", "engine"), ratio(row, "engine", "bare")]
-        cells += [row[m]["cpu_ms_per_token"] if row[m]["cpu_ms_per_token"] is not None else "-" for m in modes]
+        cells += [num(row[m]["cpu_us_per_token"]) for m in modes]
+        cells += [num(row[m]["main_thread_us_per_token"]) for m in modes]
         if "http" in modes:
-            cells.append(row["http"]["client_cpu_ms_per_token"])
+            cells.append(num(row["http"]["client_cpu_us_per_token"]))
         table_rows.append(cells)
     return "\n".join([
         report.header("HTTP vs engine vs bare BatchGenerator", info, command),
         f"Model {args.model}; {args.endpoint} prompts of {args.input_len} "
         f"{'words' if args.endpoint == 'chat' else 'token ids'}, {args.output_len} output tokens (EOS ignored), "
         f"greedy; {args.waves} x concurrency requests per level, at most `concurrency` in flight; best of "
-        f"{args.repeats} interleaved repeats. Engine and server flags: `{shlex.join(flags)}`. CPU ms/token: "
-        "CPU time of the process doing the work (the server child for http) per output token; the load "
-        "generator's is this process's during the http runs.\n",
+        f"{args.repeats} interleaved repeats. Engine and server flags: `{shlex.join(flags)}`. CPU µs/token: "
+        "CPU time of the process doing the work (the server child for http; MLX's compute threads included) "
+        "per output token; main thread: its event loop (engine, http) or the bare loop itself; the load "
+        "generator's: this process during the http runs (Linux for the server's).\n",
         report.table(headers, table_rows), ""])

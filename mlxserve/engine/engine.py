@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -79,25 +80,24 @@ class _Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop, request: Request):
         self.loop = loop
         self.request = request
-        self.items: list = []
+        self.items: deque = deque()
         self.waiter: asyncio.Future | None = None
 
     def put(self, items: list) -> None:
         """On the caller's loop (call_soon_threadsafe from the MLX thread)."""
-        self.items += items
+        self.items.extend(items)
         waiter = self.waiter
         if waiter is not None:
             self.waiter = None
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def get(self) -> list:
-        """Every item delivered since the last get; waits for one if there is none."""
+    async def get(self):
+        """The next item; waits for one if there is none."""
         while not self.items:
             self.waiter = self.loop.create_future()
             await self.waiter
-        items, self.items = self.items, []
-        return items
+        return self.items.popleft()
 
 
 class AsyncEngine:
@@ -290,6 +290,12 @@ class AsyncEngine:
         vc = self.vision_cache  # set to None when the engine stops
         return vc is not None and vc.knows(content_hash)
 
+    def pending(self, request_id: str) -> bool:
+        """Whether the request's stream has outputs delivered and not yet read: its next one
+        comes without waiting (api/sse.py sends such outputs together)."""
+        stream = self._streams.get(request_id)
+        return stream is not None and bool(stream.items)
+
     def abort(self, request_id: str) -> None:
         """Free the request's slot at the next step; its stream ends with finish_reason "abort"."""
         stream = self._streams.pop(request_id, None)
@@ -310,56 +316,56 @@ class AsyncEngine:
         done = False
         try:
             while not done:
-                for item in await stream.get():
-                    if isinstance(item, _Failure):
-                        done = True
-                        raise item.error(item.message)
-                    if item is _ABORTED:
-                        done = True
-                        yield RequestOutput(request.request_id, [], stops.flush() + detok.flush(),
-                                            finish_reason="abort",
-                                            prompt_tokens=len(request.prompt_token_ids),
-                                            completion_tokens=completion_tokens)
-                        break
-                    if first_token_time is None:
-                        first_token_time = item.time - request.arrival_time
-                    if item.token is None:  # max_tokens 0: the prompt was scored, nothing generated
-                        done = True
-                        yield RequestOutput(request.request_id, [], "", finish_reason=item.finish_reason,
-                                            prompt_tokens=len(request.prompt_token_ids),
-                                            prompt_logprobs=item.prompt_logprobs,
-                                            first_token_time=first_token_time)
-                        break
-                    completion_tokens += 1
-                    finish, stop_reason = item.finish_reason, None
-                    text = "" if item.is_stop_token else detok.add([item.token])
-                    if finish:
-                        text += detok.flush()
-                        stop_reason = item.token if item.is_stop_token else None
-                    text, stop_string = stops.feed(text)
-                    if stop_string is not None:
-                        finish, stop_reason = "stop", stop_string
-                    elif finish:
-                        text += stops.flush()
-                    logprobs = None
-                    if params.logprobs:
-                        logprobs = [TokenLogprob(item.token, item.logprob, item.top)]
-                    yield RequestOutput(
-                        request_id=request.request_id,
-                        new_token_ids=[item.token],
-                        new_text=text,
-                        finish_reason=finish,
-                        logprobs=logprobs,
-                        prompt_tokens=len(request.prompt_token_ids),
-                        completion_tokens=completion_tokens,
-                        cached_tokens=item.cached_tokens,
-                        first_token_time=first_token_time,
-                        stop_reason=stop_reason,
-                        prompt_logprobs=item.prompt_logprobs,
-                    )
-                    if finish:
-                        done = True
-                        break
+                item = await stream.get()
+                if isinstance(item, _Failure):
+                    done = True
+                    raise item.error(item.message)
+                if item is _ABORTED:
+                    done = True
+                    yield RequestOutput(request.request_id, [], stops.flush() + detok.flush(),
+                                        finish_reason="abort",
+                                        prompt_tokens=len(request.prompt_token_ids),
+                                        completion_tokens=completion_tokens)
+                    break
+                if first_token_time is None:
+                    first_token_time = item.time - request.arrival_time
+                if item.token is None:  # max_tokens 0: the prompt was scored, nothing generated
+                    done = True
+                    yield RequestOutput(request.request_id, [], "", finish_reason=item.finish_reason,
+                                        prompt_tokens=len(request.prompt_token_ids),
+                                        prompt_logprobs=item.prompt_logprobs,
+                                        first_token_time=first_token_time)
+                    break
+                completion_tokens += 1
+                finish, stop_reason = item.finish_reason, None
+                text = "" if item.is_stop_token else detok.add([item.token])
+                if finish:
+                    text += detok.flush()
+                    stop_reason = item.token if item.is_stop_token else None
+                text, stop_string = stops.feed(text)
+                if stop_string is not None:
+                    finish, stop_reason = "stop", stop_string
+                elif finish:
+                    text += stops.flush()
+                logprobs = None
+                if params.logprobs:
+                    logprobs = [TokenLogprob(item.token, item.logprob, item.top)]
+                yield RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[item.token],
+                    new_text=text,
+                    finish_reason=finish,
+                    logprobs=logprobs,
+                    prompt_tokens=len(request.prompt_token_ids),
+                    completion_tokens=completion_tokens,
+                    cached_tokens=item.cached_tokens,
+                    first_token_time=first_token_time,
+                    stop_reason=stop_reason,
+                    prompt_logprobs=item.prompt_logprobs,
+                )
+                if finish:
+                    done = True
+                    break
         finally:
             if self._streams.get(request.request_id) is stream:
                 if done:
