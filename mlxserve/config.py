@@ -149,6 +149,14 @@ class EngineConfig:
         "boundaries), each between two decode steps of the running requests; 0 runs the "
         "whole tower at once.",
     )
+    switch_interval_ms: float = setting(
+        0.5,
+        "Python's thread switch interval while an engine runs (process-wide), in ms: how long the "
+        "event loop (HTTP, detokenizing) may wait for the GIL while the MLX thread builds a step. "
+        "Shorter sends each token sooner; longer (Python's default is 5) leaves the event loop "
+        "more to the MLX thread's waits on the GPU instead of the middle of a step's host work. "
+        "`mlxserve bench http` measures either.",
+    )
     solo_fast_path: bool = setting(
         True,
         "Decode a lone request with a lean single-sequence loop (like mlx-lm's "

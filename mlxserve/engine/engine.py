@@ -36,7 +36,6 @@ from mlxserve.engine.request import (
 )
 
 log = logging.getLogger("mlxserve.engine")
-SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval while an engine runs (Python's default: 5 ms)
 
 
 class QueueFullError(RuntimeError):
@@ -128,10 +127,10 @@ class AsyncEngine:
     def start(self) -> "AsyncEngine":
         if self._thread is None:
             # The engine thread holds the GIL while it builds the next step's graph
-            # (milliseconds of Python); at the default 5 ms switch interval the event
+            # (milliseconds of Python); at Python's default 5 ms switch interval the event
             # loop waits that long to send a token that is already out. (Process-wide,
-            # and left so: the server runs one engine for its lifetime.)
-            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+            # and left so: the server runs its engines for its lifetime.)
+            sys.setswitchinterval(self.config.switch_interval_ms / 1e3)
             self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
             self._thread.start()
             self._ready.wait()
