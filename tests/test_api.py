@@ -487,6 +487,25 @@ def test_32_concurrent_streams_equal_non_streamed(server):
     assert wait_idle(server.engine)
 
 
+def test_stream_behind_the_engine_keeps_every_event(server, http):
+    """When the server's event loop stalls, tokens pile up and are sent several events per
+    write: the client still gets one well-formed chunk per token, in order."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = http.post("/v1/completions", json=body).json()
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        # Stall the server's loop while the engine runs on: the rest of the tokens wait for it.
+        server.state.loop.call_soon_threadsafe(time.sleep, 1.0)
+        events = [json.loads(first[5:])] + sse_data(lines)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
+    # One chunk per token (a token whose bytes end mid-character waits for the next one's).
+    assert 20 <= len(chunks) <= 24
+
+
 def test_client_disconnect_frees_its_slot(server, http):
     aborted = lambda: metric_values(http.get("/metrics").text, "mlxserve_request_finished_total").get(
         (("reason", "abort"),), 0)

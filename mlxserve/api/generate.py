@@ -42,7 +42,7 @@ class ServerState:
         self.draining = False
         self.startup_error: str | None = None  # a --pin that failed: the server stops
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
-        self._runs: set[asyncio.Queue] = set()
+        self._runs: set[Run] = set()
 
     def model_state(self, entry, loaded, engine) -> "ModelState":
         """The pool's `build`: a model's state, made in its load thread."""
@@ -64,8 +64,8 @@ class ServerState:
 
     def end_all(self) -> None:
         """End every in-flight run now (shutdown); each client gets an error event or a 503."""
-        for q in list(self._runs):
-            q.put_nowait(_SHUTDOWN)
+        for run in list(self._runs):
+            run.shutdown()
 
 
 class ModelState:
@@ -112,43 +112,94 @@ class Run:
             raise from_engine(e, rename) from None
         for r in requests:
             state.metrics.prompt_tokens.inc(len(r.prompt_token_ids))
-        self._queue: asyncio.Queue = asyncio.Queue()
-        state._runs.add(self._queue)
-        self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+        self._shutdown = False
+        self._ended = [False] * len(requests)  # finished, failed or counted as aborted
+        state._runs.add(self)
+        if len(streams) == 1:
+            # One engine request (the usual case): its stream is read where the run is, with no
+            # task and queue between (one task switch and queue hop less per token).
+            self._stream, self._queue, self._pumps = streams[0], None, []
+        else:
+            self._stream, self._queue = None, asyncio.Queue()
+            self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    def _observe(self, index: int, out: RequestOutput, last: float | None) -> float:
+        """The metrics of one output; returns its time (the next one's `last`)."""
+        m = self.state.metrics
+        now = time.perf_counter()
+        if last is None:
+            m.ttft.observe(out.first_token_time or now - self.requests[index].arrival_time)
+            m.cached_tokens.inc(out.cached_tokens)
+        else:
+            m.itl.observe(now - last)
+        m.generation_tokens.inc(len(out.new_token_ids))
+        if out.finish_reason is not None:
+            m.e2e.observe(now - self.requests[index].arrival_time)
+            m.finished.labels(out.finish_reason).inc()
+            self._ended[index] = True
+        return now
+
+    def _failed(self, index: int) -> None:
+        self._ended[index] = True
+        self.state.metrics.finished.labels("error").inc()
 
     async def _pump(self, index: int, stream) -> None:
-        m = self.state.metrics
-        request = self.requests[index]
         last = None
         try:
             async for out in stream:
-                now = time.perf_counter()
-                if last is None:
-                    m.ttft.observe(out.first_token_time or now - request.arrival_time)
-                    m.cached_tokens.inc(out.cached_tokens)
-                else:
-                    m.itl.observe(now - last)
-                last = now
-                m.generation_tokens.inc(len(out.new_token_ids))
-                if out.finished:
-                    m.e2e.observe(now - request.arrival_time)
-                    m.finished.labels(out.finish_reason).inc()
+                last = self._observe(index, out, last)
                 self._queue.put_nowait((index, out))
         except asyncio.CancelledError:
-            m.finished.labels("abort").inc()
+            if not self._ended[index]:
+                self._ended[index] = True
+                self.state.metrics.finished.labels("abort").inc()
             raise
         except Exception as e:  # noqa: BLE001 - EngineError: handed to the consumer
-            m.finished.labels("error").inc()
+            self._failed(index)
             self._queue.put_nowait((index, e))
+
+    def pending(self) -> bool:
+        """Whether an output is already here, so the next one comes without waiting."""
+        if self._stream is not None:
+            return self.state.engine.pending(self.requests[0].request_id)
+        return not self._queue.empty()
+
+    def shutdown(self) -> None:
+        """End the run now (server shutdown): its reader gets an APIError 503 after the outputs
+        already delivered."""
+        self._shutdown = True
+        if self._queue is not None:
+            self._queue.put_nowait(_SHUTDOWN)
+        elif not self._ended[0]:
+            self.state.engine.abort(self.requests[0].request_id)  # its stream ends with "abort"
+
+    def _shut_down(self) -> APIError:
+        return APIError(503, "The server is shutting down; this request was ended.", code="shutting_down")
 
     async def __aiter__(self):
         """(index, output) pairs in arrival order, until every request finished."""
+        if self._stream is not None:
+            last = None
+            try:
+                async for out in self._stream:
+                    if self._shutdown and out.finish_reason == "abort":
+                        self._ended[0] = True
+                        raise self._shut_down()
+                    last = self._observe(0, out, last)
+                    yield 0, out
+                    if out.finish_reason is not None:
+                        return
+            except APIError:
+                raise
+            except Exception as e:  # noqa: BLE001 - EngineError and friends, as the pumps hand them over
+                self._failed(0)
+                raise from_engine(e, self._rename)
+            return
         remaining = len(self._pumps)
         while remaining:
             item = await self._queue.get()
             if item is _SHUTDOWN:
-                raise APIError(503, "The server is shutting down; this request was ended.",
-                               code="shutting_down")
+                raise self._shut_down()
             index, out = item
             if isinstance(out, BaseException):
                 raise from_engine(out, self._rename)
@@ -157,9 +208,14 @@ class Run:
                 remaining -= 1
 
     def close(self) -> None:
-        self.state._runs.discard(self._queue)
+        self.state._runs.discard(self)
         for p in self._pumps:
             p.cancel()
+        if self._stream is not None and not self._ended[0]:
+            # Left before its end (client gone, an error): free its slot, counted as the pumps count it.
+            self._ended[0] = True
+            self.state.metrics.finished.labels("abort").inc()
+            self.state.engine.abort(self.requests[0].request_id)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from mlxserve.api.openai_schema import (
     ImageURL,
 )
 from mlxserve.api.reasoning import ReasoningSplitter, ReasoningSyntax
-from mlxserve.api.sse import DONE, SSEResponse, event
+from mlxserve.api.sse import DONE, EventTemplate, SSEResponse, event
 from mlxserve.api.tokens import clamp, render
 from mlxserve.api.tool_calls import (
     ToolCall,
@@ -361,6 +361,10 @@ def chat_events(state: ModelState, run: Run, head: dict, n: int, logprobs: bool,
         return event({**base, "choices": [{"index": index, "delta": delta, "logprobs": lps,
                                            "finish_reason": finish}]})
 
+    # The chunk of most tokens (content only), as chunk(i, {"content": text}) writes it.
+    content = [EventTemplate({**base, "choices": [{"index": i, "delta": {"content": EventTemplate.SLOT},
+                                                   "logprobs": None, "finish_reason": None}]})
+               for i in range(n)]
     choices = [Choice() for _ in range(n)]
     deltas = [ChatDeltas(calls.stream()) for _ in range(n)]
     splits = [calls.splitter() for _ in range(n)]
@@ -378,7 +382,10 @@ def chat_events(state: ModelState, run: Run, head: dict, n: int, logprobs: bool,
             lps = None
             if logprobs:
                 lps = {"content": chat_logprobs(state, visible_logprobs(out)), "refusal": None}
-            if text or (lps and lps["content"]):
+            if lps is None:
+                if text:
+                    yield content[i](text)
+            elif text or lps["content"]:
                 yield chunk(i, {"content": text}, lps=lps)
             for call in tool_calls:
                 yield chunk(i, {"tool_calls": [call]})
@@ -528,6 +535,10 @@ def completion_events(state: ModelState, run: Run, head: dict, n: int, echoes: l
         return event({**base, "choices": [{"index": index, "text": text, "logprobs": lps,
                                            "finish_reason": finish}]})
 
+    # The chunk of most tokens (text only), as chunk(i, text) writes it.
+    texts = [EventTemplate({**base, "choices": [{"index": i, "text": EventTemplate.SLOT, "logprobs": None,
+                                                 "finish_reason": None}]})
+             for i in range(len(echoes))]
     choices = [Choice() for _ in echoes]
     legacy = [LegacyLogprobs(state, len(e)) for e in echoes]
 
@@ -543,7 +554,10 @@ def completion_events(state: ModelState, run: Run, head: dict, n: int, echoes: l
             lps = None
             if logprobs:  # with echo, the stop token keeps its entry (see echo_logprobs)
                 lps = legacy[i]((out.logprobs or []) if scored_prompts else visible_logprobs(out))
-            if out.new_text or (lps and lps["tokens"]) or out.finished:
+            if lps is None and not out.finished:
+                if out.new_text:
+                    yield texts[i](out.new_text)
+            elif out.new_text or (lps and lps["tokens"]) or out.finished:
                 yield chunk(i, out.new_text, finish=out.finish_reason, lps=lps)
 
     return openai_stream(run, base, choices, n, include_usage, chunks())

@@ -2,12 +2,13 @@
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import crash, decode, engine, grammar, multimodal, prefix, serve, soak, spec, warmup
+    from mlxserve.bench import crash, decode, engine, grammar, http, multimodal, prefix, serve, soak, spec, warmup
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
     decode.add_parser(sub)
     serve.add_parser(sub)
+    http.add_parser(sub)
     prefix.add_parser(sub)
     multimodal.add_parser(sub)
     grammar.add_parser(sub)

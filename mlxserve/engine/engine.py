@@ -18,11 +18,12 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from mlxserve.config import EngineConfig
-from mlxserve.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
+from mlxserve.engine.detokenize import IncrementalDetokenizer, StopStringMatcher, fast_decode
 from mlxserve.engine.guard import Watchdog, kv_budget_for
 from mlxserve.engine.pins import PrefixPins
 from mlxserve.engine.request import (
@@ -35,7 +36,6 @@ from mlxserve.engine.request import (
 )
 
 log = logging.getLogger("mlxserve.engine")
-SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval while an engine runs (Python's default: 5 ms)
 
 
 class QueueFullError(RuntimeError):
@@ -64,14 +64,39 @@ class _Failure:
     error: type = EngineError  # what the caller's stream raises
 
 
-_ABORTED = object()  # put in a stream's queue by abort()
+_ABORTED = object()  # put in a stream's items by abort()
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    request: Request
+    """One request's items, handed from the MLX thread to its caller's event loop.
+
+    A list and a future made only while the caller waits: asyncio.Queue's machinery
+    (a getter future per item, loop binding checks) cost more per token than the
+    rest of the hand-over, on the thread the MLX thread waits on for the GIL."""
+
+    __slots__ = ("loop", "request", "items", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: Request):
+        self.loop = loop
+        self.request = request
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, items: list) -> None:
+        """On the caller's loop (call_soon_threadsafe from the MLX thread)."""
+        self.items.extend(items)
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def get(self):
+        """The next item; waits for one if there is none."""
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        return self.items.popleft()
 
 
 class AsyncEngine:
@@ -79,6 +104,7 @@ class AsyncEngine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
+        self._decode = fast_decode(loaded.tokenizer)  # the streams' detokenizers share it
         self.max_model_len = self.config.max_model_len or loaded.context_length
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -106,10 +132,10 @@ class AsyncEngine:
         no warm-up phase then runs between their timed requests)."""
         if self._thread is None:
             # The engine thread holds the GIL while it builds the next step's graph
-            # (milliseconds of Python); at the default 5 ms switch interval the event
+            # (milliseconds of Python); at Python's default 5 ms switch interval the event
             # loop waits that long to send a token that is already out. (Process-wide,
-            # and left so: the server runs one engine for its lifetime.)
-            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+            # and left so: the server runs its engines for its lifetime.)
+            sys.setswitchinterval(self.config.switch_interval_ms / 1e3)
             self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
             self._thread.start()
             self._ready.wait()
@@ -219,7 +245,7 @@ class AsyncEngine:
             )
         if request.request_id in self._streams:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request)
+        stream = _Stream(asyncio.get_running_loop(), request)
         self._streams[request.request_id] = stream
         self._commands.put(("add", (request, max_tokens)))
         return self._outputs(stream)
@@ -272,76 +298,82 @@ class AsyncEngine:
         vc = self.vision_cache  # set to None when the engine stops
         return vc is not None and vc.knows(content_hash)
 
+    def pending(self, request_id: str) -> bool:
+        """Whether the request's stream has outputs delivered and not yet read: its next one
+        comes without waiting (api/sse.py sends such outputs together)."""
+        stream = self._streams.get(request_id)
+        return stream is not None and bool(stream.items)
+
     def abort(self, request_id: str) -> None:
         """Free the request's slot at the next step; its stream ends with finish_reason "abort"."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             self._commands.put(("abort", request_id))
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, [_ABORTED])
+                stream.loop.call_soon_threadsafe(stream.put, [_ABORTED])
             except RuntimeError:
                 pass  # the caller's loop is closed: nobody is iterating
 
     async def _outputs(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
         request = stream.request
         params = request.params
-        detok = IncrementalDetokenizer(self.tokenizer)
+        detok = IncrementalDetokenizer(self.tokenizer, self._decode)
         stops = StopStringMatcher(params.stop)
         completion_tokens = 0
         first_token_time = None
         done = False
         try:
             while not done:
-                for item in await stream.queue.get():
-                    if isinstance(item, _Failure):
-                        done = True
-                        raise item.error(item.message)
-                    if item is _ABORTED:
-                        done = True
-                        yield RequestOutput(request.request_id, [], stops.flush() + detok.flush(),
-                                            finish_reason="abort",
-                                            prompt_tokens=len(request.prompt_token_ids),
-                                            completion_tokens=completion_tokens)
-                        break
-                    if first_token_time is None:
-                        first_token_time = item.time - request.arrival_time
-                    if item.token is None:  # max_tokens 0: the prompt was scored, nothing generated
-                        done = True
-                        yield RequestOutput(request.request_id, [], "", finish_reason=item.finish_reason,
-                                            prompt_tokens=len(request.prompt_token_ids),
-                                            prompt_logprobs=item.prompt_logprobs,
-                                            first_token_time=first_token_time)
-                        break
-                    completion_tokens += 1
-                    finish, stop_reason = item.finish_reason, None
-                    text = "" if item.is_stop_token else detok.add([item.token])
-                    if finish:
-                        text += detok.flush()
-                        stop_reason = item.token if item.is_stop_token else None
-                    text, stop_string = stops.feed(text)
-                    if stop_string is not None:
-                        finish, stop_reason = "stop", stop_string
-                    elif finish:
-                        text += stops.flush()
-                    logprobs = None
-                    if params.logprobs:
-                        logprobs = [TokenLogprob(item.token, item.logprob, item.top)]
-                    yield RequestOutput(
-                        request_id=request.request_id,
-                        new_token_ids=[item.token],
-                        new_text=text,
-                        finish_reason=finish,
-                        logprobs=logprobs,
-                        prompt_tokens=len(request.prompt_token_ids),
-                        completion_tokens=completion_tokens,
-                        cached_tokens=item.cached_tokens,
-                        first_token_time=first_token_time,
-                        stop_reason=stop_reason,
-                        prompt_logprobs=item.prompt_logprobs,
-                    )
-                    if finish:
-                        done = True
-                        break
+                item = await stream.get()
+                if isinstance(item, _Failure):
+                    done = True
+                    raise item.error(item.message)
+                if item is _ABORTED:
+                    done = True
+                    yield RequestOutput(request.request_id, [], stops.flush() + detok.flush(),
+                                        finish_reason="abort",
+                                        prompt_tokens=len(request.prompt_token_ids),
+                                        completion_tokens=completion_tokens)
+                    break
+                if first_token_time is None:
+                    first_token_time = item.time - request.arrival_time
+                if item.token is None:  # max_tokens 0: the prompt was scored, nothing generated
+                    done = True
+                    yield RequestOutput(request.request_id, [], "", finish_reason=item.finish_reason,
+                                        prompt_tokens=len(request.prompt_token_ids),
+                                        prompt_logprobs=item.prompt_logprobs,
+                                        first_token_time=first_token_time)
+                    break
+                completion_tokens += 1
+                finish, stop_reason = item.finish_reason, None
+                text = "" if item.is_stop_token else detok.add([item.token])
+                if finish:
+                    text += detok.flush()
+                    stop_reason = item.token if item.is_stop_token else None
+                text, stop_string = stops.feed(text)
+                if stop_string is not None:
+                    finish, stop_reason = "stop", stop_string
+                elif finish:
+                    text += stops.flush()
+                logprobs = None
+                if params.logprobs:
+                    logprobs = [TokenLogprob(item.token, item.logprob, item.top)]
+                yield RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[item.token],
+                    new_text=text,
+                    finish_reason=finish,
+                    logprobs=logprobs,
+                    prompt_tokens=len(request.prompt_token_ids),
+                    completion_tokens=completion_tokens,
+                    cached_tokens=item.cached_tokens,
+                    first_token_time=first_token_time,
+                    stop_reason=stop_reason,
+                    prompt_logprobs=item.prompt_logprobs,
+                )
+                if finish:
+                    done = True
+                    break
         finally:
             if self._streams.get(request.request_id) is stream:
                 if done:
@@ -560,7 +592,7 @@ class AsyncEngine:
         for request_id, items in outbox.items():
             stream = self._streams.get(request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, items))
+                by_loop.setdefault(stream.loop, []).append((stream, items))
         for loop, deliveries in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, deliveries)
@@ -609,5 +641,5 @@ def default_block_size() -> int:
 
 
 def _deliver(deliveries) -> None:
-    for q, items in deliveries:
-        q.put_nowait(items)
+    for stream, items in deliveries:
+        stream.put(items)

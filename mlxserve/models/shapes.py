@@ -133,6 +133,25 @@ SHAPES = {
         "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
     },
+    # Host-bound benchmarks on a CPU (bench http): with the whole Qwen vocabulary, a tiny model's
+    # output head alone takes tens of ms per batched step on a CPU; with 2,048 rows a decode step
+    # takes ~1-3 ms at 16-32 rows, host-bound like a small model on a GPU. Its ids are the Qwen
+    # tokenizer's first 2,048 (plain text pieces), so prompts are token ids (the completions API):
+    # chat templates' special tokens lie outside it.
+    "qwen3-host": {
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 2048,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
     "gemma3-tiny": {
         "model_type": "gemma3_text",
         "hidden_size": 64,
@@ -716,6 +735,7 @@ DESCRIPTIONS = {
     "llama-tiny": "tiny Llama for tests",
     "qwen2-tiny": "tiny Qwen2 (attention biases) for tests",
     "qwen3-tiny": "tiny Qwen3 for tests",
+    "qwen3-host": "tiny Qwen3 with a 2,048-token vocabulary, host-bound on a CPU (bench http; token-id prompts)",
     "gemma3-tiny": "tiny Gemma 3, sliding window 16 on 3 of 4 layers, for tests",
     "lfm2-tiny": "tiny LFM2 hybrid (3 short-convolution layers, 1 attention layer), for tests",
     "qwen3.5-9b": "Qwen3.5-9B-like hybrid (24 Gated DeltaNet + 8 attention layers)",

@@ -1,0 +1,411 @@
+"""`mlxserve bench http`: what the HTTP layer and the engine cost, in one run.
+
+For one model it measures three ways of running the same requests, level by level:
+- a bare mlx-lm `BatchGenerator` loop (what batching allows, with nothing around it);
+- the in-process engine (`AsyncEngine.submit`, with detokenizing);
+- `mlxserve serve` in a child process, streamed over HTTP by `bench serve`'s client;
+and reports each one's aggregate output tok/s with the ratios HTTP / engine and
+engine / bare. Every mode gets the same token ids (chat prompts are rendered with
+the model's template here, as the server renders them), the same number of requests
+per level (`--waves` x concurrency, at most `concurrency` in flight, a finished one
+replaced at once), the same output length (EOS ignored) and the same warm-up (one
+unmeasured round per level). Repeats are interleaved (bare, engine, HTTP, bare, ...)
+and the best of each is kept. The engine here and the server's are built from the
+same flags (`--server-args`). Beside tok/s it reports the CPU seconds per output token
+of the server process and of this process's load generator (Linux), which show what
+the host spends per token when decoding is host-bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+from mlxserve.bench.engine import MODEL_HELP, _parse_model
+
+START_TIMEOUT_S = 600
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("http", help="HTTP server vs in-process engine vs bare BatchGenerator, one run.")
+    p.add_argument("--model", default="dummy:qwen3-0.6b:q4", help=MODEL_HELP.replace("Comma-separated models", "One model"))
+    p.add_argument("--concurrency", default="1,4,16,32", help="Comma-separated concurrency levels.")
+    p.add_argument("--waves", type=int, default=3, help="Requests per level: this many times the concurrency.")
+    p.add_argument("--repeats", type=int, default=2, help="Interleaved repeats of each level; the best is kept.")
+    p.add_argument("--input-len", type=int, default=128,
+                   help="Prompt length: words of a chat message (the template adds its own tokens), "
+                        "or token ids with --endpoint completions.")
+    p.add_argument("--output-len", type=int, default=128, help="Output tokens per request (EOS ignored).")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
+                   help="chat: word prompts through the chat template; completions: token-id prompts "
+                        "(for shapes whose vocabulary lacks the template's tokens, e.g. qwen3-host).")
+    p.add_argument("--dtype", default=None, help="Weight dtype (default: per backend).")
+    p.add_argument("--server-args", default="",
+                   help="Engine and server flags of `mlxserve serve` (one string), e.g. '--no-prefix-cache'; "
+                        "the in-process engine takes the same engine flags.")
+    p.add_argument("--modes", default="bare,engine,http", help="Which of bare, engine, http to run.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="benchmarks")
+    p.set_defaults(func=run)
+
+
+# ---- prompts ----
+
+def make_prompts(args, tokenizer, vocab: int, n: int, rng: random.Random) -> list[tuple[object, list[int]]]:
+    """(what the HTTP client sends, the token ids the engine and BatchGenerator get) per request."""
+    from mlxserve.bench.serve import make_prompt
+
+    out = []
+    for _ in range(n):
+        if args.endpoint == "completions":
+            ids = [rng.randrange(min(1000, vocab // 2), min(vocab, 100_000)) for _ in range(args.input_len)]
+            out.append((ids, ids))
+        else:
+            from mlxserve.api.tokens import render
+
+            text = make_prompt(rng, args.input_len)
+            out.append((text, render(tokenizer, [{"role": "user", "content": text}])))
+    return out
+
+
+# ---- the three modes; each returns (output tokens, seconds) ----
+
+def run_bare(loaded, engine_cfg, prompts: list[list[int]], c: int, n_out: int) -> tuple[int, float]:
+    """A closed loop on a bare BatchGenerator, sized as the engine sizes its own: c in flight,
+    the next inserted as one finishes."""
+    from mlx_lm.generate import BatchGenerator
+
+    from mlxserve.models.families import prefill_batch_size
+
+    gen = BatchGenerator(loaded.model, completion_batch_size=engine_cfg.max_num_seqs,
+                         prefill_batch_size=prefill_batch_size(loaded.config, engine_cfg.prefill_batch_size),
+                         prefill_step_size=engine_cfg.prefill_chunk_size)
+    todo = list(prompts)
+    start = time.perf_counter()
+    gen.insert([list(p) for p in todo[:c]], max_tokens=[n_out] * min(c, len(todo)))
+    todo = todo[c:]
+    tokens = finished = 0
+    while finished < len(prompts):
+        for r in gen.next_generated():
+            tokens += 1
+            if r.finish_reason is not None:
+                finished += 1
+                if todo:
+                    gen.insert([list(todo.pop(0))], max_tokens=[n_out])
+    elapsed = time.perf_counter() - start
+    gen.close()
+    return tokens, elapsed
+
+
+async def _engine_level(engine, prompts: list[list[int]], c: int, n_out: int) -> tuple[int, float]:
+    from mlxserve import SamplingParams
+    from mlxserve.engine.request import Request
+
+    params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+    todo = list(prompts)
+    tokens = 0
+
+    async def worker():
+        nonlocal tokens
+        while todo:
+            ids = todo.pop(0)
+            async for out in engine.submit(Request(list(ids), params)):
+                tokens += len(out.new_token_ids)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(c)))
+    return tokens, time.perf_counter() - start
+
+
+def run_engine(engine, prompts, c, n_out) -> tuple[int, float]:
+    return asyncio.run(_engine_level(engine, prompts, c, n_out))
+
+
+async def lean_request(host: str, port: int, path: str, body: dict) -> tuple[int, str]:
+    """(completion tokens, error or "") of one streamed request, read as lightly as a client can be:
+    raw bytes on its own connection until the server closes it, parsed once at the end (the
+    load generator shares the host with the server: httpx and a json.loads per chunk cost more
+    CPU per token than the server's own event loop)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    payload = json.dumps(body).encode()
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+    parts = []
+    try:
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                break
+            parts.append(data)
+    finally:
+        writer.close()
+    raw = b"".join(parts)
+    head, _, body_bytes = raw.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        return 0, head.split(b"\r\n", 1)[0].decode(errors="replace") + " " + body_bytes[:200].decode(errors="replace")
+    if b"transfer-encoding: chunked" in head.lower():
+        body_bytes = _unchunk(body_bytes)
+    usage = None
+    for line in body_bytes.split(b"\n"):
+        if line.startswith(b"data: {") and b'"usage":{' in line:
+            usage = json.loads(line[6:]).get("usage")
+        elif line.startswith(b'data: {"error"'):
+            return 0, line[6:206].decode(errors="replace")
+    if b"data: [DONE]" not in body_bytes or not usage:
+        return 0, "the stream ended without usage and [DONE]"
+    return usage["completion_tokens"], ""
+
+
+def _unchunk(data: bytes) -> bytes:
+    """The payload of an HTTP/1.1 chunked body."""
+    out, i = [], 0
+    while True:
+        j = data.index(b"\r\n", i)
+        size = int(data[i:j].split(b";")[0], 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(data[j + 2:j + 2 + size])
+        i = j + 2 + size + 2
+
+
+async def _http_level(url: str, body_of, prompts: list, c: int) -> tuple[int, float, int, str]:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    todo = list(prompts)
+    tokens = failed = 0
+    error = ""
+
+    async def worker():
+        nonlocal tokens, failed, error
+        while todo:
+            n, err = await lean_request(parts.hostname, parts.port, parts.path, body_of(todo.pop(0)))
+            tokens += n
+            if err:
+                failed, error = failed + 1, err
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(c)))
+    return tokens, time.perf_counter() - start, failed, error
+
+
+def run_http(args, url: str, model: str, prompts: list, c: int, n_out: int) -> tuple[int, float, int]:
+    """(output tokens, seconds, failed requests) of the closed loop over HTTP."""
+    from mlxserve.bench.serve import request_body
+
+    client = Namespace(endpoint=args.endpoint, ignore_eos=True, output_len=n_out)
+    path = "/chat/completions" if args.endpoint == "chat" else "/completions"
+    tokens, seconds, failed, error = asyncio.run(_http_level(
+        url.rstrip("/") + path, lambda p: request_body(client, model, p), prompts, c))
+    if failed:
+        print(f"   http: {failed} failed: {error}", file=sys.stderr, flush=True)
+    return tokens, seconds, failed
+
+
+# ---- the server child ----
+
+class ServerChild:
+    """`mlxserve serve` on a free port, running this checkout's code."""
+
+    def __init__(self, spec: dict, args, engine_flags: list[str], log_path: Path):
+        from mlxserve.bench.local import free_port
+
+        import mlxserve
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        root = str(Path(mlxserve.__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        command = [sys.executable, "-m", "mlxserve.cli", "serve", *([spec["source"]] if spec["source"] else []),
+                   "--load-format", spec["load_format"], "--port", str(self.port), "--log-level", "warning"]
+        if spec["quantize_bits"]:
+            command += ["--quantize", str(spec["quantize_bits"])]
+        if args.dtype:
+            command += ["--dtype", args.dtype]
+        command += engine_flags
+        self.command = command
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self) -> None:
+        from mlxserve.bench.local import healthy
+
+        start = time.monotonic()
+        while not healthy(self.url):
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited with {self.proc.returncode} (log: {self.log.name})")
+            if time.monotonic() - start > START_TIMEOUT_S:
+                raise SystemExit(f"the server was not ready after {START_TIMEOUT_S} s (log: {self.log.name})")
+            time.sleep(0.2)
+
+    def cpu_seconds(self) -> tuple[float, float] | None:
+        """User + system CPU seconds of the server so far, all threads and its main thread
+        (the event loop: HTTP, detokenizing), on Linux; else None."""
+        def read(path: str) -> float:
+            fields = Path(path).read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        pid = self.proc.pid
+        try:
+            return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def engine_config(server_args: str, max_c: int):
+    """The EngineConfig the server child builds from the same flags (server-only flags ignored)."""
+    from mlxserve.config import EngineConfig, add_arguments, from_namespace
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser, EngineConfig)
+    flags = ["--max-num-seqs", str(max_c), *shlex.split(server_args)]
+    ns, _ = parser.parse_known_args(flags)
+    return from_namespace(EngineConfig, ns), flags
+
+
+def _measure(fn) -> tuple[int, float, float, float]:
+    """fn() -> (tokens, seconds[, ...]), plus this process's CPU seconds over it: all threads,
+    and the main thread's (the event loop, or the bare loop itself)."""
+    cpu, main = time.process_time(), time.thread_time()
+    out = fn()
+    return (*out[:2], time.process_time() - cpu, time.thread_time() - main)
+
+
+def run(args) -> int:
+    from mlxserve.bench import report
+    from mlxserve.bench.serve import server_info
+    from mlxserve.engine.engine import AsyncEngine
+    from mlxserve.models.load import load
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    modes = args.modes.split(",")
+    spec = _parse_model(args.model)
+    cfg, flags = engine_config(args.server_args, max(levels))
+    info = report.machine()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    server = None
+    if "http" in modes:  # loads while this process loads its own copy
+        server = ServerChild(spec, args, flags, out_dir / "bench-http-server.log")
+        print(f"server: {shlex.join(server.command)}", file=sys.stderr, flush=True)
+    print(f"loading {args.model}", file=sys.stderr, flush=True)
+    loaded = load(spec["source"], load_format=spec["load_format"], quantize_bits=spec["quantize_bits"],
+                  dtype=args.dtype)
+    vocab = loaded.vocab_size or 32000
+    engine = AsyncEngine(loaded, cfg).start() if "engine" in modes else None
+    url = ""
+    model_name = None
+    rng = random.Random(args.seed)
+    rows = []
+    try:
+        if server is not None:
+            server.wait_ready()
+            url = server.url + "/v1"
+            model_name, _ = server_info(url, None, None)
+
+        def one(mode: str, prompts, c: int, n_out: int):
+            if mode == "bare":
+                return _measure(lambda: run_bare(loaded, cfg, [p[1] for p in prompts], c, n_out))
+            if mode == "engine":
+                return _measure(lambda: run_engine(engine, [p[1] for p in prompts], c, n_out))
+            return _measure(lambda: run_http(args, url, model_name, [p[0] for p in prompts], c, n_out))
+
+        # One short request each first (compilation, allocation), as bench serve does.
+        warm = make_prompts(args, loaded.tokenizer, vocab, 1, rng)
+        for mode in modes:
+            one(mode, warm, 1, 8)
+        for c in levels:
+            print(f"concurrency {c}", file=sys.stderr, flush=True)
+            # An unmeasured round at this concurrency: GPU backends compile kernels per new shape.
+            warm = make_prompts(args, loaded.tokenizer, vocab, c, rng)
+            for mode in modes:
+                one(mode, warm, c, 4)
+            prompts = make_prompts(args, loaded.tokenizer, vocab, args.waves * c, rng)
+            best: dict[str, dict] = {}
+            for _ in range(args.repeats):
+                for mode in modes:
+                    server_cpu = server.cpu_seconds() if (server is not None and mode == "http") else None
+                    tokens, seconds, cpu, main = one(mode, prompts, c, args.output_len)
+                    per_token = 1e6 / max(tokens, 1)
+                    row = {"tok_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
+                           "cpu_us_per_token": cpu * per_token, "main_thread_us_per_token": main * per_token,
+                           "client_cpu_us_per_token": None}
+                    if mode == "http":  # the work is the server's; this process only ran the load generator
+                        row["client_cpu_us_per_token"] = row["cpu_us_per_token"]
+                        after = server.cpu_seconds() if server_cpu is not None else None
+                        row["cpu_us_per_token"] = (after[0] - server_cpu[0]) * per_token if after else None
+                        row["main_thread_us_per_token"] = (after[1] - server_cpu[1]) * per_token if after else None
+                    if mode not in best or row["tok_per_s"] > best[mode]["tok_per_s"]:
+                        best[mode] = row
+                    print(f"   {mode}: {row['tok_per_s']:,.1f} tok/s", file=sys.stderr, flush=True)
+            rows.append({"concurrency": c, "requests": len(prompts),
+                         "prompt_tokens": statistics.mean(len(p[1]) for p in prompts), **{m: best[m] for m in modes}})
+    finally:
+        if engine is not None:
+            engine.stop()
+        if server is not None:
+            server.stop()
+
+    command = "mlxserve bench http " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+    text = markdown(args, info, command, rows, modes, flags)
+    print(text)
+    report.write_result("http", info, text, {"rows": rows, "modes": modes, "flags": flags,
+                                             "model": args.model, "endpoint": args.endpoint}, None, args.out_dir)
+    return 0
+
+
+def markdown(args, info, command, rows, modes, flags) -> str:
+    from mlxserve.bench import report
+
+    def ratio(row, a, b):
+        return f"{row[a]['tok_per_s'] / row[b]['tok_per_s']:.2f}" if a in row and b in row else "-"
+
+    headers = ["concurrency", "requests", "prompt tokens"] + [f"{m} tok/s" for m in modes]
+    headers += ["http / engine", "engine / bare"] + [f"{m} CPU µs/token" for m in modes]
+    headers += [f"{m} main thread µs/token" for m in modes]
+    if "http" in modes:
+        headers.append("load generator CPU µs/token")
+
+    def num(v):
+        return "-" if v is None else round(v)
+
+    table_rows = []
+    for row in rows:
+        cells = [row["concurrency"], row["requests"], row["prompt_tokens"]]
+        cells += [row[m]["tok_per_s"] for m in modes]
+        cells += [ratio(row, "http", "engine"), ratio(row, "engine", "bare")]
+        cells += [num(row[m]["cpu_us_per_token"]) for m in modes]
+        cells += [num(row[m]["main_thread_us_per_token"]) for m in modes]
+        if "http" in modes:
+            cells.append(num(row["http"]["client_cpu_us_per_token"]))
+        table_rows.append(cells)
+    return "\n".join([
+        report.header("HTTP vs engine vs bare BatchGenerator", info, command),
+        f"Model {args.model}; {args.endpoint} prompts of {args.input_len} "
+        f"{'words' if args.endpoint == 'chat' else 'token ids'}, {args.output_len} output tokens (EOS ignored), "
+        f"greedy; {args.waves} x concurrency requests per level, at most `concurrency` in flight; best of "
+        f"{args.repeats} interleaved repeats. Engine and server flags: `{shlex.join(flags)}`. CPU µs/token: "
+        "CPU time of the process doing the work (the server child for http; MLX's compute threads included) "
+        "per output token; main thread: its event loop (engine, http) or the bare loop itself; the load "
+        "generator's: this process during the http runs (Linux for the server's).\n",
+        report.table(headers, table_rows), ""])
