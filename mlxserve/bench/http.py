@@ -238,10 +238,10 @@ class ServerChild:
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self) -> None:
-        from mlxserve.bench.local import healthy
+        from mlxserve.bench.local import warmed
 
         start = time.monotonic()
-        while not healthy(self.url):
+        while not warmed(self.url):  # healthy, and its warm-up over: none of it between the timed requests
             if self.proc.poll() is not None:
                 raise SystemExit(f"the server exited with {self.proc.returncode} (log: {self.log.name})")
             if time.monotonic() - start > START_TIMEOUT_S:
@@ -312,7 +312,7 @@ def run(args) -> int:
     loaded = load(spec["source"], load_format=spec["load_format"], quantize_bits=spec["quantize_bits"],
                   dtype=args.dtype)
     vocab = loaded.vocab_size or 32000
-    engine = AsyncEngine(loaded, cfg).start() if "engine" in modes else None
+    engine = AsyncEngine(loaded, cfg).start(wait_warmup=True) if "engine" in modes else None
     url = ""
     model_name = None
     rng = random.Random(args.seed)
