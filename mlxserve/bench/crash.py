@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,8 +31,7 @@ from pathlib import Path
 
 import httpx
 
-import mlxserve
-from mlxserve.bench.local import free_port, healthy
+from mlxserve.bench.local import ChildServer, checkout_env, free_port
 
 START_TIMEOUT_S = 180  # a cold start on a loaded 2-core machine imports MLX, mlx-lm and FastAPI
 REQUEST_TIMEOUT_S = 120
@@ -56,32 +54,18 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-class Server:
-    """`mlxserve serve` in a child process, running the same code as this process."""
+class Server(ChildServer):
+    """`mlxserve serve` in a child process, running the same code as this process, and the
+    drill's requests to it."""
+
+    stop_grace = 60.0
 
     def __init__(self, args, log_path: Path, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        root = str(Path(mlxserve.__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        port = free_port()
         command = [sys.executable, "-m", "mlxserve.cli", "serve", args.model, "--load-format", args.load_format,
-                   "--port", str(self.port), "--log-level", "warning", "--block-size", str(args.block_size),
+                   "--port", str(port), "--log-level", "warning", "--block-size", str(args.block_size),
                    "--max-num-seqs", str(max(args.prompts, 1)), *extra]
-        self.log = open(log_path, "ab")
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self) -> float:
-        """Seconds from launch to a healthy server; RuntimeError if it never gets there."""
-        while True:
-            if healthy(self.url):
-                return time.monotonic() - self.started
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode} before it was ready "
-                                   f"(log: {self.log.name})")
-            if time.monotonic() - self.started > START_TIMEOUT_S:
-                raise RuntimeError(f"the server was not ready after {START_TIMEOUT_S} s (log: {self.log.name})")
-            time.sleep(0.1)
+        super().__init__(command, port, checkout_env(), log=log_path)
 
     def complete(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[str, int]]:
         """(text, cached tokens) of each prompt, greedy, sent together."""
@@ -94,28 +78,12 @@ class Server:
 
         from concurrent.futures import ThreadPoolExecutor
 
-        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S) as client:
+        with httpx.Client(base_url=self.base_url, timeout=REQUEST_TIMEOUT_S) as client:
             with ThreadPoolExecutor(max(len(prompts), 1)) as pool:
                 return list(pool.map(lambda p: one(client, p), prompts))
 
     def stats(self) -> dict:
-        return httpx.get(self.url + "/v1/cache/stats", timeout=30).json()["prefix_cache"]
-
-    def kill(self) -> None:
-        """SIGKILL, then reap it: an unreaped child still holds its pid, as if it were alive."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-        self.log.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
+        return httpx.get(self.base_url + "/v1/cache/stats", timeout=30).json()["prefix_cache"]
 
 
 def _blocks(folder: Path) -> set[str]:
@@ -205,7 +173,7 @@ def drill(args, folder: Path, log_dir: Path, progress=None) -> dict:
     first = start()  # starts beside the reference server: the drill waits for one start less
     ref_server = Server(args, log_dir / "reference.log", "--no-prefix-cache")
     try:
-        ref_server.wait_ready()
+        ref_server.wait_healthy(START_TIMEOUT_S)
         reference = [text for text, _ in ref_server.complete(prompts, args.max_tokens)]
     except BaseException:
         first.kill()
@@ -218,7 +186,7 @@ def drill(args, folder: Path, log_dir: Path, progress=None) -> dict:
         row = {"round": r + 1 if not last else "final", "tmp_before_start": len(_tmps(folder))}
         server, first = first or start(), None
         try:
-            row["start_s"] = server.wait_ready()
+            row["start_s"] = server.wait_healthy(START_TIMEOUT_S)
             row["tmp_after_start"] = _tmps(folder)
             check = []
             if r:  # the previous round's prompts: their blocks written before the kill come back
@@ -240,7 +208,7 @@ def drill(args, folder: Path, log_dir: Path, progress=None) -> dict:
                 if answers is not None:
                     row["new_mismatches"] = [i for i, (text, _) in zip(new, answers) if text != reference[i]]
         except Exception as e:  # noqa: BLE001 - a failed round is a result of the drill
-            row["error"] = f"{type(e).__name__}: {e}"
+            row["error"] = f"{type(e).__name__}: {e}".split("\n", 1)[0]  # run() prints the servers' logs
             server.kill()
         finally:
             if server.proc.poll() is None:

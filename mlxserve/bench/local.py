@@ -10,6 +10,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
@@ -29,45 +30,79 @@ def healthy(base_url: str) -> bool:
         return False
 
 
-class ChildServer:
-    """A server command run as a child; its stdout and stderr go to a log file that outlives it."""
+def checkout_env() -> dict:
+    """This process's environment with this checkout first on PYTHONPATH: a child `python -m
+    mlxserve.cli` then runs the same code as this process, not an installed copy."""
+    import mlxserve
 
-    def __init__(self, command: list[str], port: int, env: dict | None = None, name: str = "server"):
-        self.command = command
+    root = str(Path(mlxserve.__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
+class ChildServer:
+    """A server command run as a child; its stdout and stderr go to a log file that outlives it
+    (`log`, appended to, or a new temporary file named after `name`)."""
+
+    stop_signal = signal.SIGTERM  # what stop() sends first: servers shut down cleanly on it
+    stop_grace = 30.0  # seconds stop() waits for that before SIGKILL
+    start_error = RuntimeError  # what wait_healthy raises (SystemExit: a failed start ends the command)
+
+    def __init__(self, command: list[str], port: int, env: dict | None = None, name: str = "server",
+                 log: str | Path | None = None):
+        self.command, self.port = command, port
         self.base_url = f"http://127.0.0.1:{port}"
-        fd, self.log = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
-        with os.fdopen(fd, "w") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if log is None:
+            fd, log = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
+            os.close(fd)
+        self.log = str(log)
+        self.started = time.monotonic()
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def wait_healthy(self, timeout: float, ready=None) -> float:
-        """Seconds from now until `ready(base_url)` (default: a healthy /health); RuntimeError (with
-        the log's tail) if the child exits first or is not ready within `timeout`."""
+        """Seconds from launch until `ready(base_url)` (default: a healthy /health; `warmed` waits
+        for mlxserve's warm-up too); `start_error` (with the log's tail) if the child exits first or
+        is not ready within `timeout` seconds from now."""
         ready = ready or healthy
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with {self.proc.returncode} while starting (log: {self.log}); "
-                                   f"its log ends:\n{self.log_tail()}")
+                raise self.start_error(f"exited with {self.proc.returncode} while starting (log: {self.log}); "
+                                       f"its log ends:\n{self.log_tail()}")
             if ready(self.base_url):
-                return time.monotonic() - start
-            time.sleep(0.5)
-        raise RuntimeError(f"not healthy within {timeout:.0f} s (log: {self.log}); its log ends:\n{self.log_tail()}")
+                return time.monotonic() - self.started
+            time.sleep(0.1)
+        raise self.start_error(f"not ready within {timeout:.0f} s (log: {self.log}); its log ends:\n{self.log_tail()}")
+
+    def log_lines(self) -> list[str]:
+        """The log's lines so far, without their line ends."""
+        with open(self.log, errors="replace") as f:
+            return f.read().splitlines()
 
     def log_tail(self, n: int = 15) -> str:
-        with open(self.log, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
+        return "".join(line + "\n" for line in self.log_lines()[-n:])
 
-    def stop(self, grace: float = 30) -> int:
-        """SIGTERM (servers shut down cleanly on it), SIGKILL after `grace` seconds; the exit status.
-        It returns once the process is gone, so the next server gets the device to itself."""
+    def stop(self) -> int:
+        """`stop_signal`, SIGKILL after `stop_grace` seconds; the exit status. It returns once the
+        process is gone, so the next server gets the device to itself."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(self.stop_signal)
             try:
-                self.proc.wait(grace)
+                self.proc.wait(self.stop_grace)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+                pass
+        return self.kill()
+
+    def kill(self) -> int:
+        """SIGKILL (it ends a stopped process too), then reap it: an unreaped child still holds its
+        pid, as if it were alive; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
 
 
 def warmed(base_url: str) -> bool:
