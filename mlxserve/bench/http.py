@@ -25,13 +25,13 @@ import os
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from argparse import Namespace
 from pathlib import Path
 
 from mlxserve.bench.engine import MODEL_HELP, _parse_model
+from mlxserve.bench.local import ChildServer, checkout_env, free_port, warmed
 
 START_TIMEOUT_S = 600
 
@@ -214,39 +214,21 @@ def run_http(args, url: str, model: str, prompts: list, c: int, n_out: int) -> t
 
 # ---- the server child ----
 
-class ServerChild:
+class ServerChild(ChildServer):
     """`mlxserve serve` on a free port, running this checkout's code."""
 
+    stop_grace = 60.0
+    start_error = SystemExit
+
     def __init__(self, spec: dict, args, engine_flags: list[str], log_path: Path):
-        from mlxserve.bench.local import free_port
-
-        import mlxserve
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        root = str(Path(mlxserve.__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        port = free_port()
         command = [sys.executable, "-m", "mlxserve.cli", "serve", *([spec["source"]] if spec["source"] else []),
-                   "--load-format", spec["load_format"], "--port", str(self.port), "--log-level", "warning"]
+                   "--load-format", spec["load_format"], "--port", str(port), "--log-level", "warning"]
         if spec["quantize_bits"]:
             command += ["--quantize", str(spec["quantize_bits"])]
         if args.dtype:
             command += ["--dtype", args.dtype]
-        command += engine_flags
-        self.command = command
-        self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self) -> None:
-        from mlxserve.bench.local import warmed
-
-        start = time.monotonic()
-        while not warmed(self.url):  # healthy, and its warm-up over: none of it between the timed requests
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited with {self.proc.returncode} (log: {self.log.name})")
-            if time.monotonic() - start > START_TIMEOUT_S:
-                raise SystemExit(f"the server was not ready after {START_TIMEOUT_S} s (log: {self.log.name})")
-            time.sleep(0.2)
+        super().__init__(command + engine_flags, port, checkout_env(), log=log_path)
 
     def cpu_seconds(self) -> tuple[float, float] | None:
         """User + system CPU seconds of the server so far, all threads and its main thread
@@ -255,21 +237,10 @@ class ServerChild:
             fields = Path(path).read_text().rsplit(")", 1)[1].split()
             return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-        pid = self.proc.pid
         try:
-            return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
+            return read(f"/proc/{self.pid}/stat"), read(f"/proc/{self.pid}/task/{self.pid}/stat")
         except (OSError, ValueError, IndexError):
             return None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def engine_config(server_args: str, max_c: int):
@@ -319,8 +290,8 @@ def run(args) -> int:
     rows = []
     try:
         if server is not None:
-            server.wait_ready()
-            url = server.url + "/v1"
+            server.wait_healthy(START_TIMEOUT_S, warmed)  # its warm-up over: none of it between the timed requests
+            url = server.base_url + "/v1"
             model_name, _ = server_info(url, None, None)
 
         def one(mode: str, prompts, c: int, n_out: int):
