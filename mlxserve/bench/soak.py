@@ -23,15 +23,14 @@ import os
 import random
 import shlex
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter, deque
 
 from mlxserve.bench.serve import chunk_text, make_prompt, percentile, request_body, server_info, sse_chunks
 
 from mlxserve.bench import soak_report
+from mlxserve.bench.local import ChildServer, free_port, warmed
 from mlxserve.bench.soak_report import MiB
 
 
@@ -391,11 +390,14 @@ def verdict(result: dict, args) -> dict:
     return {"outcome": outcome, "checks": checks, "memory": memory, "warmup_s": after_t, "tolerance": args.tolerance}
 
 
-class ChildServer:
+class SoakServer(ChildServer):
     """`mlxserve serve` in a child process on a free local port; its output goes to a log file."""
 
+    stop_signal = signal.SIGINT  # a clean shutdown
+    stop_grace = 60.0
+    start_error = SystemExit
+
     def __init__(self, args):
-        from mlxserve.bench.local import free_port
         from mlxserve.config import ModelConfig
 
         port = free_port()
@@ -405,46 +407,15 @@ class ChildServer:
             if value is not None and value != f.default:
                 model += [str(value)] if f.metadata.get("positional") else ["--" + f.name.replace("_", "-"), str(value)]
         # --log-level first, so --server-args can override it.
-        self.command = [sys.executable, "-m", "mlxserve.cli", "serve", *model, "--host", "127.0.0.1",
-                        "--port", str(port), "--log-level", "warning", *shlex.split(args.server_args)]
-        fd, self.log = tempfile.mkstemp(prefix="mlxserve-soak-", suffix=".log")
-        with os.fdopen(fd, "w") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
-        self.pid = self.proc.pid
-        self.url = f"http://127.0.0.1:{port}/v1"
+        command = [sys.executable, "-m", "mlxserve.cli", "serve", *model, "--host", "127.0.0.1",
+                   "--port", str(port), "--log-level", "warning", *shlex.split(args.server_args)]
+        super().__init__(command, port, name="mlxserve-soak")
+        self.url = self.base_url + "/v1"
         print(f"started: {shlex.join(self.command)} (pid {self.pid}, log {self.log})", file=sys.stderr)
-
-    def wait_ready(self, timeout: float) -> None:
-        from mlxserve.bench.local import warmed
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited with {self.proc.returncode} while loading:\n{self.log_tail()}")
-            if warmed(self.url.removesuffix("/v1")):  # healthy, and its warm-up over: none of it in the series
-                return
-            time.sleep(1)
-        raise SystemExit(f"the server was not ready within {timeout:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 20) -> str:
-        with open(self.log, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-
-    def stop(self) -> int | None:
-        """SIGINT (a clean shutdown), then SIGKILL after a minute; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
     def logged_errors(self) -> list[str]:
         """ERROR and traceback lines the server logged (at --log-level warning, only problems are logged)."""
-        with open(self.log, errors="replace") as f:
-            return [line.rstrip() for line in f if " ERROR " in line or line.startswith("Traceback")]
+        return [line for line in self.log_lines() if " ERROR " in line or line.startswith("Traceback")]
 
 
 def run(args) -> int:
@@ -455,11 +426,11 @@ def run(args) -> int:
     if args.url:
         url, pid = args.url.rstrip("/"), args.server_pid
     else:
-        child = ChildServer(args)
+        child = SoakServer(args)
         url, pid = child.url, child.pid
     try:
         if child:
-            child.wait_ready(args.startup_timeout)
+            child.wait_healthy(args.startup_timeout, warmed)  # its warm-up over: none of it in the series
         model, server = server_info(url, None, args.api_key)
         args.endpoint, args.ignore_eos = "chat", True  # for request_body: every request runs to its max_tokens
         print(f"soak: {args.streams} streams for {args.minutes:g} min against {url} ({model})", file=sys.stderr)
