@@ -18,11 +18,12 @@ import os
 import shlex
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from mlxserve.bench.local import ChildServer, free_port, warmed
 
 QUESTIONS = ["Where is the scheduler defined?", "What does it do when the queue is full?",
              "Which tests cover it?", "Run them.", "Why did the second one fail?",
@@ -75,12 +76,14 @@ def _ttft_sum(base: str) -> float:
                if line.startswith("mlxserve_time_to_first_token_seconds_sum"))
 
 
-class FreshServer:
+class FreshServer(ChildServer):
     """`mlxserve serve` with empty kernel caches, logging to a file in its own temp folder."""
 
-    def __init__(self, args, warmup: float | None):
-        from mlxserve.bench.local import free_port
+    stop_signal = signal.SIGINT
+    stop_grace = 60.0
+    start_error = SystemExit
 
+    def __init__(self, args, warmup: float | None):
         self.folder = Path(tempfile.mkdtemp(prefix="mlxserve-fresh-"))
         self.ptx, self.driver = self.folder / "ptx", self.folder / "nv"
         env = dict(os.environ, MLX_PTX_CACHE_DIR=str(self.ptx), CUDA_CACHE_PATH=str(self.driver),
@@ -88,52 +91,21 @@ class FreshServer:
         (self.folder / "tmp").mkdir()
         port = free_port()
         flags = ["--warmup", f"{warmup:g}"] if warmup is not None else []
-        self.command = [sys.executable, "-m", "mlxserve.cli", "serve", *_model_flags(args.model), "--host",
-                        "127.0.0.1", "--port", str(port), "--log-level", "info", *flags, *shlex.split(args.server_args)]
-        self.log = self.folder / "server.log"
-        self.started = time.perf_counter()
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.base = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "mlxserve.cli", "serve", *_model_flags(args.model), "--host",
+                   "127.0.0.1", "--port", str(port), "--log-level", "info", *flags, *shlex.split(args.server_args)]
+        super().__init__(command, port, env, log=self.folder / "server.log")
         print(f"started: {shlex.join(self.command)} (log {self.log})", file=sys.stderr, flush=True)
 
     def wait(self, timeout: float) -> tuple[float, float, dict]:
-        """Seconds from start to /health 200, and to the warm-up's end; its status from /health."""
+        """Seconds from start to /health 200, and to the warm-up's end (as long again); its status from /health."""
         import httpx
 
-        ready = None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                r = httpx.get(self.base + "/health", timeout=5)
-            except httpx.HTTPError:
-                r = None
-            if r is not None and r.status_code == 200:
-                if ready is None:  # the warm-up gets as long again
-                    ready, deadline = time.perf_counter() - self.started, time.monotonic() + timeout
-                warm = r.json().get("warmup", {"state": "unknown"})
-                if warm.get("state") not in ("pending", "running"):
-                    return ready, time.perf_counter() - self.started, warm
-            time.sleep(0.2)
-        raise SystemExit(f"the server was not ready (or warm) within {timeout:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 30) -> str:
-        return "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-n:])
+        ready = self.wait_healthy(timeout)
+        warm = self.wait_healthy(timeout, warmed)
+        return ready, warm, httpx.get(self.base_url + "/health", timeout=5).json().get("warmup", {"state": "unknown"})
 
     def warmup_lines(self) -> list[str]:
-        return [line.split(": ", 1)[-1] for line in self.log.read_text(errors="replace").splitlines()
-                if "warm-up" in line]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        return [line.split(": ", 1)[-1] for line in self.log_lines() if "warm-up" in line]
 
 
 def conversation(base: str, args, ptx: Path, driver: Path) -> list[dict]:
@@ -188,13 +160,13 @@ def one_run(args, mode: str) -> dict:
     try:
         ready, warm, status = server.wait(args.timeout)
         warm_kernels, warm_driver = len(_ptx_files(server.ptx)), _file_count(server.driver)
-        left = _cache_stats(server.base)  # what the warm-up left in the prefix cache: nothing
-        turns = conversation(server.base, args, server.ptx, server.driver)
+        left = _cache_stats(server.base_url)  # what the warm-up left in the prefix cache: nothing
+        turns = conversation(server.base_url, args, server.ptx, server.driver)
         # The same conversation again, kernels built, from an empty prefix cache: each turn's
         # time without first-use costs, to compare with.
-        httpx.post(server.base + "/v1/cache/reset", timeout=60).raise_for_status()
+        httpx.post(server.base_url + "/v1/cache/reset", timeout=60).raise_for_status()
         print("   again, warm:", file=sys.stderr, flush=True)
-        for t, again in zip(turns, conversation(server.base, args, server.ptx, server.driver)):
+        for t, again in zip(turns, conversation(server.base_url, args, server.ptx, server.driver)):
             t["warm_ttft"], t["warm_total"] = again["ttft"], again["total"]
     finally:
         server.stop()
