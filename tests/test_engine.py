@@ -184,6 +184,38 @@ def test_logprobs_are_consistent_with_the_chosen_tokens(tiny):
         engine.stop()
 
 
+def test_logprobs_of_a_request_joining_a_batch_that_asks_for_none(tiny):
+    # The batch step hands out per-row logprobs only while some row wants them: a request
+    # that asks must get them on every token, whenever it joins, equal to its logprobs alone.
+    loaded = tiny("qwen3-tiny")
+    solo = AsyncEngine(loaded, EngineConfig(prefill_chunk_size=16)).start()
+    batched = AsyncEngine(loaded, EngineConfig(prefill_chunk_size=16, solo_fast_path=False)).start()
+    try:
+        prompts = prompts_for(4)
+        wants = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=3)
+
+        async def collect(engine, prompt, params, delay=0.0):
+            await asyncio.sleep(delay)
+            return [s async for s in engine.submit(Request(list(prompt), params))]
+
+        alone = asyncio.run(collect(solo, prompts[0], wants))
+
+        async def mixed():
+            return await asyncio.gather(collect(batched, prompts[1], greedy(30)), collect(batched, prompts[2], greedy(30)),
+                                        collect(batched, prompts[0], wants, delay=0.05),
+                                        collect(batched, prompts[3], greedy(4), delay=0.1))
+
+        _, _, joined, _ = asyncio.run(mixed())
+        assert [s.new_token_ids for s in joined] == [s.new_token_ids for s in alone]
+        for got, ref in zip(joined, alone):
+            (lp,), (ref_lp,) = got.logprobs, ref.logprobs
+            assert lp.logprob == pytest.approx(ref_lp.logprob, abs=1e-3)
+            assert [t for t, _ in lp.top] == [t for t, _ in ref_lp.top]
+    finally:
+        solo.stop()
+        batched.stop()
+
+
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_logprobs", 21),
     ("max_tokens", 0), ("min_p", 1.0), ("top_k", -1), ("presence_penalty", 3.0),

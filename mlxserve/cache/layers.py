@@ -521,13 +521,27 @@ def _batch_runs(c, n, start, end):
     return [(slot, size), (0, t1 - t0 - (size - slot))]
 
 
-def _batch_offsets(cache_layers, row) -> list[int]:
+def _batch_attention(cache_layers) -> list:
     out = []
     for c in cache_layers:
         if isinstance(c, CacheList):
-            out += _batch_offsets(c.caches, row)
+            out += _batch_attention(c.caches)
         elif isinstance(c, (BatchKVCache, BatchRotatingKVCache)):
-            out.append(c.offset[row].item())
+            out.append(c)
+    return out
+
+
+def _batch_offsets(cache_layers, row, seen: dict) -> list[int]:
+    """The row's token count in each batched attention layer, read in one host sync (one per
+    layer made a store cost a sync per layer, each waiting for the step queued ahead); noted in
+    `seen` for _extract_row."""
+    caches = _batch_attention(cache_layers)
+    if not caches:
+        return []
+    out = mx.stack([c.offset[row] for c in caches]).tolist()
+    for c, n in zip(caches, out):
+        if not isinstance(c, BatchChunkedKVCache):  # chunked.row_runs keeps its own entries there
+            seen[id(c)] = n
     return out
 
 
@@ -568,7 +582,7 @@ def extract_blocks_from_batch(
     def extract_one(c, start, end, state_here):
         return _extract_row(c, row, start, end, state_here, seen)
 
-    return _extract_span(batch_cache_layers, _batch_offsets(batch_cache_layers, row), start_token,
+    return _extract_span(batch_cache_layers, _batch_offsets(batch_cache_layers, row, seen), start_token,
                          block_size, n_blocks, num_tokens, layers, states, extract_one)
 
 

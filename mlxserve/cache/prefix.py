@@ -502,7 +502,10 @@ class PrefixCache:
             else:
                 payloads = extract_blocks_from_batch(layers, row, start, size, n, num_tokens=upto_tokens,
                                                      layers=only, states=states)
-            mx.eval([a for p in payloads for a in payload_arrays(p)])
+            # Queued, not waited for: the copies run after the decode step already queued, and
+            # waiting here would leave the accelerator idle while the host builds the next step
+            # (a read of a payload, e.g. by the disk tier, waits for it then).
+            mx.async_eval([a for p in payloads for a in payload_arrays(p)])
             for j, payload in enumerate(payloads):
                 for spec, e in zip(leaf_specs, flat_entries(payload, specs)):
                     if only is None and spec[0] == "full" and e is None:

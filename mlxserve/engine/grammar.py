@@ -128,14 +128,21 @@ def fill_masks(grammars: list[GrammarProcessor | None], previous: list[int], voc
 
 
 class ConstrainedGenerationBatch(_generate.GenerationBatch):
-    """mlx-lm's GenerationBatch, whose step masks constrained rows as one batch (see the module doc).
+    """mlx-lm's GenerationBatch, whose step masks constrained rows as one batch (see the module
+    doc), and hands out per-row logprobs only while some row wants them.
 
-    A step without constrained rows is mlx-lm's own.
+    mlx-lm splits the step's (B, vocab) logprobs into B arrays and evaluates them every step,
+    whether or not anyone reads them: host time per step that grows with the batch. The runner
+    turns `row_logprobs` off while no request of its batch asks for logprobs; the rows' logprobs
+    are None then. A step with row logprobs and no constrained row is mlx-lm's own.
     """
+
+    row_logprobs = True  # mlx-lm's behaviour, for any BatchGenerator but the runner's
 
     def _step(self):
         grammars = [grammar_of(p) for p in self.logits_processors] if self.logits_processors else []
-        if not any(grammars):
+        constrained = any(grammars)
+        if not constrained and self.row_logprobs:
             return super()._step()
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
@@ -145,17 +152,18 @@ class ConstrainedGenerationBatch(_generate.GenerationBatch):
         # while this one dispatches the forward pass (both are host work, and a small model's
         # step is bound by it).
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-        previous = inputs.tolist()
-        masks = _mask_thread().submit(fill_masks, grammars, previous, logits.shape[-1])
-        mx.async_eval(logits)
-        allowed = allowed_tokens(masks.result(), logits.shape[-1])
+        if constrained:
+            previous = inputs.tolist()
+            masks = _mask_thread().submit(fill_masks, grammars, previous, logits.shape[-1])
+            mx.async_eval(logits)
+            allowed = allowed_tokens(masks.result(), logits.shape[-1])
 
         token_context = []
-        if any(len(p) > (g is not None) for p, g in zip(self.logits_processors, grammars)):
+        if any(len(p or ()) > (g is not None) for p, g in zip(self.logits_processors or (), grammars)):
             rows = []
             for e, processors in enumerate(self.logits_processors):
                 row = logits[e:e + 1]
-                others = processors[:-1] if grammars[e] is not None else processors
+                others = processors[:-1] if grammars[e] is not None else processors or ()
                 if others:
                     context = self._token_context[e].update_and_fetch(inputs[e:e + 1])
                     token_context.append(context)
@@ -163,8 +171,8 @@ class ConstrainedGenerationBatch(_generate.GenerationBatch):
                         row = processor(context, row)
                 rows.append(row)
             logits = mx.concatenate(rows, axis=0)
-        # After the penalties and biases, so none of them can lift a token the grammar rules out.
-        logits = mx.where(allowed, logits, -mx.inf)
+        if constrained:  # after the penalties and biases, so none of them can lift a token the grammar rules out
+            logits = mx.where(allowed, logits, -mx.inf)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
         samplers = [self.fallback_sampler if s is None else s
@@ -174,9 +182,15 @@ class ConstrainedGenerationBatch(_generate.GenerationBatch):
         else:
             sampled = mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
         self._next_tokens = sampled
-        self._next_logprobs = list(logprobs)
-        mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
-        mx.eval(self._current_logprobs)
+        self._next_logprobs = list(logprobs) if self.row_logprobs else [None] * len(self.uids)
+        mx.async_eval(self._next_tokens, self._next_logprobs if self.row_logprobs else [], token_context)
+        # Rows that joined under row logprobs (or before they were turned off) still carry theirs.
+        current = [a for a in self._current_logprobs if a is not None]
+        if constrained:
+            mx.eval(current)
+        else:
+            mx.eval(inputs, current)
+            previous = inputs.tolist()
         for tokens, token in zip(self.tokens, previous):
             tokens.append(token)
         return previous, self._current_logprobs

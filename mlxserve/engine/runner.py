@@ -486,6 +486,11 @@ class Runner:
         return self._start(seq, scorer.cache, scorer.done)
 
     def _batch_step(self) -> list[TokenEvent]:
+        # Per-row logprobs only while a request of the batch asks for them (engine/grammar.py);
+        # the flag is read by the step that samples the tokens they belong to, so a request
+        # is in `batch` before its first step.
+        self.generator._generation_batch.row_logprobs = any(
+            s.request.params.logprobs for s in self.batch.values())
         prompt_progress, responses = self.generator.next()
         if self.prefix_cache is not None and prompt_progress:
             self._store_prompt_blocks()
