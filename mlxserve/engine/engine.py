@@ -18,8 +18,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 from mlxserve.config import EngineConfig
@@ -34,6 +32,7 @@ from mlxserve.engine.request import (
     RequestOutput,
     TokenLogprob,
 )
+from mlxserve.engine.stream import ABORTED, RequestStream, StreamFailure, StreamToken
 
 log = logging.getLogger("mlxserve.engine")
 
@@ -46,59 +45,6 @@ class EngineDeadError(RuntimeError):
     """The engine loop is not running."""
 
 
-@dataclass
-class _Token:
-    token: int
-    finish_reason: str | None
-    is_stop_token: bool
-    logprob: float | None
-    top: list
-    cached_tokens: int
-    time: float
-    prompt_logprobs: list | None = None
-
-
-@dataclass
-class _Failure:
-    message: str
-    error: type = EngineError  # what the caller's stream raises
-
-
-_ABORTED = object()  # put in a stream's items by abort()
-
-
-class _Stream:
-    """One request's items, handed from the MLX thread to its caller's event loop.
-
-    A list and a future made only while the caller waits: asyncio.Queue's machinery
-    (a getter future per item, loop binding checks) cost more per token than the
-    rest of the hand-over, on the thread the MLX thread waits on for the GIL."""
-
-    __slots__ = ("loop", "request", "items", "waiter")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, request: Request):
-        self.loop = loop
-        self.request = request
-        self.items: deque = deque()
-        self.waiter: asyncio.Future | None = None
-
-    def put(self, items: list) -> None:
-        """On the caller's loop (call_soon_threadsafe from the MLX thread)."""
-        self.items.extend(items)
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def get(self):
-        """The next item; waits for one if there is none."""
-        while not self.items:
-            self.waiter = self.loop.create_future()
-            await self.waiter
-        return self.items.popleft()
-
-
 class AsyncEngine:
     def __init__(self, loaded, config: EngineConfig | None = None):
         self.loaded = loaded
@@ -107,7 +53,7 @@ class AsyncEngine:
         self._decode = fast_decode(loaded.tokenizer)  # the streams' detokenizers share it
         self.max_model_len = self.config.max_model_len or loaded.context_length
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self.fatal_error: str | None = None
@@ -245,7 +191,7 @@ class AsyncEngine:
             )
         if request.request_id in self._streams:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        stream = _Stream(asyncio.get_running_loop(), request)
+        stream = RequestStream(asyncio.get_running_loop(), request)
         self._streams[request.request_id] = stream
         self._commands.put(("add", (request, max_tokens)))
         return self._outputs(stream)
@@ -310,11 +256,11 @@ class AsyncEngine:
         if stream is not None:
             self._commands.put(("abort", request_id))
             try:
-                stream.loop.call_soon_threadsafe(stream.put, [_ABORTED])
+                stream.loop.call_soon_threadsafe(stream.put, [ABORTED])
             except RuntimeError:
                 pass  # the caller's loop is closed: nobody is iterating
 
-    async def _outputs(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         request = stream.request
         params = request.params
         detok = IncrementalDetokenizer(self.tokenizer, self._decode)
@@ -325,10 +271,10 @@ class AsyncEngine:
         try:
             while not done:
                 item = await stream.get()
-                if isinstance(item, _Failure):
+                if isinstance(item, StreamFailure):
                     done = True
                     raise item.error(item.message)
-                if item is _ABORTED:
+                if item is ABORTED:
                     done = True
                     yield RequestOutput(request.request_id, [], stops.flush() + detok.flush(),
                                         finish_reason="abort",
@@ -503,7 +449,7 @@ class AsyncEngine:
                 if kind == "call" and arg[1].set_running_or_notify_cancel():  # else nobody waits
                     arg[1].set_exception(EngineDeadError("engine stopped"))
                 elif kind == "add":
-                    self._publish({arg[0].request_id: [_Failure("engine stopped")]})
+                    self._publish({arg[0].request_id: [StreamFailure("engine stopped")]})
 
     def _loop(self, scheduler) -> None:
         while True:
@@ -551,7 +497,7 @@ class AsyncEngine:
                     try:
                         scheduler.add(request, max_tokens)
                     except Exception as e:  # noqa: BLE001 - fail this request only
-                        outbox.setdefault(request.request_id, []).append(_Failure(f"{e}"))
+                        outbox.setdefault(request.request_id, []).append(StreamFailure(f"{e}"))
             events = []
             if scheduler.has_work():
                 self.watchdog.begin()
@@ -561,17 +507,17 @@ class AsyncEngine:
                     log.exception("engine step failed")
                     for seq in scheduler.runner.reset():
                         outbox.setdefault(seq.request_id, []).append(
-                            _Failure(f"engine step failed: {e!r}"))
+                            StreamFailure(f"engine step failed: {e!r}"))
                 finally:
                     self.watchdog.end()
                 self.steps += 1
                 for seq, message in scheduler.runner.failed:
-                    outbox.setdefault(seq.request_id, []).append(_Failure(message))
+                    outbox.setdefault(seq.request_id, []).append(StreamFailure(message))
                 scheduler.runner.failed.clear()
             now = time.perf_counter()
             for ev in events:
                 outbox.setdefault(ev.seq.request_id, []).append(
-                    _Token(ev.token, ev.finish_reason,
+                    StreamToken(ev.token, ev.finish_reason,
                            ev.finish_reason == "stop" and ev.token in ev.seq.stop_ids,
                            ev.logprob, ev.top, ev.seq.cached_tokens, now, ev.prompt_logprobs)
                 )
@@ -600,7 +546,7 @@ class AsyncEngine:
                 pass  # that caller's loop is closed; its requests are gone
 
     def _fail_all(self, message: str, error: type = EngineError) -> None:
-        self._publish({rid: [_Failure(message, error)] for rid in list(self._streams)})
+        self._publish({rid: [StreamFailure(message, error)] for rid in list(self._streams)})
 
 
 def _finish_gpu_work() -> None:
