@@ -133,25 +133,6 @@ SHAPES = {
         "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
     },
-    # Host-bound benchmarks on a CPU (bench http): with the whole Qwen vocabulary, a tiny model's
-    # output head alone takes tens of ms per batched step on a CPU; with 2,048 rows a decode step
-    # takes ~1-3 ms at 16-32 rows, host-bound like a small model on a GPU. Its ids are the Qwen
-    # tokenizer's first 2,048 (plain text pieces), so prompts are token ids (the completions API):
-    # chat templates' special tokens lie outside it.
-    "qwen3-host": {
-        "model_type": "qwen3",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": 2048,
-        "rope_theta": 1_000_000.0,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-    },
     "gemma3-tiny": {
         "model_type": "gemma3_text",
         "hidden_size": 64,
@@ -721,6 +702,12 @@ SHAPES = {
 
 # Gemma 4 31B-style: an image's tokens attend to each other both ways, full attention's values are
 # its keys, no per-layer inputs or shared KV; a window of 8, so an image (16 tokens) reaches past it.
+# Host-bound benchmarks on a CPU (bench http): with the whole Qwen vocabulary, a tiny model's
+# output head alone takes tens of ms per batched step on a CPU; with 2,048 rows a decode step
+# takes ~1-3 ms at 16-32 rows, host-bound like a small model on a GPU. Its ids are the Qwen
+# tokenizer's first 2,048 (plain text pieces), so prompts are token ids (the completions API):
+# chat templates' special tokens lie outside it.
+SHAPES["qwen3-host"] = {**SHAPES["qwen3-tiny"], "vocab_size": 2048}
 SHAPES["gemma4-vl-bidi-tiny"] = {**SHAPES["gemma4-vl-tiny"], "text_config": {
     **SHAPES["gemma4-vl-tiny"]["text_config"], "use_bidirectional_attention": "vision", "attention_k_eq_v": True,
     "num_global_key_value_heads": 1, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0,
