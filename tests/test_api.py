@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import mlxserve
-from mlxserve.bench.local import free_port, healthy
+from mlxserve.bench.local import ChildServer, checkout_env, free_port
 from mlxserve.llm import render_chat
 
 MODEL = "qwen3-tiny"
@@ -684,18 +684,12 @@ def test_an_engine_that_cannot_start_exits_1_with_the_reason(tmp_path):
 def test_sigterm_ends_streams_cleanly_and_exits_0():
     port = free_port()
     # As a user runs it: `mlxserve serve` (the CLI entry point).
-    code = "import sys; from mlxserve.cli import main; sys.exit(main(sys.argv[1:]))"
     args = ["serve", "qwen3-tiny", "--load-format", "dummy", "--port", str(port), "--log-level", "warning",
             "--shutdown-timeout", "1"]
-    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+    server = ChildServer([sys.executable, "-m", "mlxserve.cli", *args], port, checkout_env(), "serve")
+    proc, url = server.proc, server.base_url
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if healthy(url):
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        server.wait_healthy(90)
         with httpx.Client(base_url=url, timeout=30) as c:
             with c.stream("POST", "/v1/chat/completions", json=LONG) as s:
                 lines = s.iter_lines()
@@ -710,8 +704,7 @@ def test_sigterm_ends_streams_cleanly_and_exits_0():
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health")
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        server.kill()
 
 
 # ---- README examples and the benchmark ----

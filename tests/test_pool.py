@@ -8,14 +8,13 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import weakref
 from pathlib import Path
 
 import httpx
 import pytest
 
-from mlxserve.bench.local import free_port, healthy
+from mlxserve.bench.local import ChildServer, checkout_env, free_port
 from mlxserve.config import EngineConfig, ModelConfig, PoolConfig, ServerConfig, served_models
 from mlxserve.engine.pool import ModelPool, ModelSpec, separate_disk_tiers
 
@@ -181,16 +180,10 @@ def test_serve_several_models_from_the_command_line_and_a_file(tmp_path):
     port = free_port()
     args = ["serve", "--load-format", "dummy", "qwen3-tiny", "--config", str(config), "--pin", str(pins),
             "--max-loaded-models", "2", "--port", str(port), "--log-level", "warning"]
-    code = "import sys; from mlxserve.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+    server = ChildServer([sys.executable, "-m", "mlxserve.cli", *args], port, checkout_env(), "serve")
+    proc, url = server.proc, server.base_url
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if healthy(url):
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        server.wait_healthy(180)
         models = {m["id"]: m for m in httpx.get(url + "/v1/models").json()["data"]}
         assert list(models) == ["qwen3-tiny", "small", "gemma3-tiny"]
         # The pin loaded `small` at start; gemma is pinned, so the default made room.
@@ -204,8 +197,7 @@ def test_serve_several_models_from_the_command_line_and_a_file(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        server.kill()
 
 
 def test_serve_refuses_a_bad_model_file(tmp_path):
