@@ -3,17 +3,20 @@
 For one model it measures three ways of running the same requests, level by level:
 - a bare mlx-lm `BatchGenerator` loop (what batching allows, with nothing around it);
 - the in-process engine (`AsyncEngine.submit`, with detokenizing);
-- `mlxserve serve` in a child process, streamed over HTTP by `bench serve`'s client;
-and reports each one's aggregate output tok/s with the ratios HTTP / engine and
+- `mlxserve serve` in a child process, streamed over HTTP by `bench serve`'s client ("http");
+- optionally a second such child with `--process-args` added ("http-process": by default
+  `--engine-process`, its engine in a process of its own), so the two server setups meet
+  in one run;
+and reports each one's aggregate output tok/s with the ratios to the engine and
 engine / bare. Every mode gets the same token ids (chat prompts are rendered with
 the model's template here, as the server renders them), the same number of requests
 per level (`--waves` x concurrency, at most `concurrency` in flight, a finished one
 replaced at once), the same output length (EOS ignored) and the same warm-up (one
 unmeasured round per level). Repeats are interleaved (bare, engine, HTTP, bare, ...)
-and the best of each is kept. The engine here and the server's are built from the
+and the best of each is kept. The engine here and the servers' are built from the
 same flags (`--server-args`). Beside tok/s it reports the CPU seconds per output token
-of the server process and of this process's load generator (Linux), which show what
-the host spends per token when decoding is host-bound.
+of each server (its process and all its descendants) and of this process's load
+generator (Linux), which show what the host spends per token when decoding is host-bound.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from mlxserve.bench.engine import MODEL_HELP, _parse_model
 from mlxserve.bench.local import ChildServer, checkout_env, free_port, warmed
 
 START_TIMEOUT_S = 600
+ENGINE_PROCESS_FLAG = "--engine-process"  # `serve` runs its engine in a child process
+MODES = ("bare", "engine", "http", "http-process")
+SERVER_MODES = ("http", "http-process")  # each one a `mlxserve serve` child of its own
 
 
 def add_parser(sub) -> None:
@@ -53,7 +59,10 @@ def add_parser(sub) -> None:
     p.add_argument("--server-args", default="",
                    help="Engine and server flags of `mlxserve serve` (one string), e.g. '--no-prefix-cache'; "
                         "the in-process engine takes the same engine flags.")
-    p.add_argument("--modes", default="bare,engine,http", help="Which of bare, engine, http to run.")
+    p.add_argument("--process-args", default=ENGINE_PROCESS_FLAG,
+                   help="The flags the http-process server adds to http's (one string; a lone flag "
+                        "as --process-args=--flag, or argparse takes it for an option).")
+    p.add_argument("--modes", default="bare,engine,http", help=f"Which of {', '.join(MODES)} to run.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="benchmarks")
     p.set_defaults(func=run)
@@ -231,15 +240,33 @@ class ServerChild(ChildServer):
         super().__init__(command + engine_flags, port, checkout_env(), log=log_path)
 
     def cpu_seconds(self) -> tuple[float, float] | None:
-        """User + system CPU seconds of the server so far, all threads and its main thread
-        (the event loop: HTTP, detokenizing), on Linux; else None."""
-        def read(path: str) -> float:
-            fields = Path(path).read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU seconds so far of the server with all its descendants (an engine
+        process, say; every thread) and of its main thread (the event loop: HTTP, detokenizing),
+        on Linux; else None."""
+        def fields(path: str) -> list[str]:  # those after "(comm)", which may hold spaces
+            return Path(path).read_text().rsplit(")", 1)[1].split()
+
+        def ticks(f: list[str], reaped: bool) -> int:  # utime + stime (+ cutime + cstime: reaped children's)
+            return sum(int(v) for v in f[11:15 if reaped else 13])
 
         try:
-            return read(f"/proc/{self.pid}/stat"), read(f"/proc/{self.pid}/task/{self.pid}/stat")
-        except (OSError, ValueError, IndexError):
+            main = ticks(fields(f"/proc/{self.pid}/task/{self.pid}/stat"), False)
+            children: dict[int, list[int]] = {}
+            stats = {}
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        stats[int(entry.name)] = f = fields(f"{entry}/stat")
+                    except OSError:  # gone since the listing
+                        continue
+                    children.setdefault(int(f[1]), []).append(int(entry.name))
+            total, todo = 0, [self.pid]
+            while todo:
+                pid = todo.pop()
+                total += ticks(stats[pid], True)
+                todo += children.get(pid, [])
+            return total / os.sysconf("SC_CLK_TCK"), main / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError, KeyError):
             return None
 
 
@@ -270,36 +297,39 @@ def run(args) -> int:
 
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        raise SystemExit(f"unknown --modes {', '.join(sorted(unknown))}; they are {', '.join(MODES)}")
     spec = _parse_model(args.model)
     cfg, flags = engine_config(args.server_args, max(levels))
     info = report.machine()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    server = None
-    if "http" in modes:  # loads while this process loads its own copy
-        server = ServerChild(spec, args, flags, out_dir / "bench-http-server.log")
-        print(f"server: {shlex.join(server.command)}", file=sys.stderr, flush=True)
+    servers: dict[str, ServerChild] = {}  # mode -> its server; they load while this process loads its own copy
+    for mode in SERVER_MODES:
+        if mode in modes:
+            extra = shlex.split(args.process_args) if mode == "http-process" else []
+            servers[mode] = ServerChild(spec, args, flags + extra, out_dir / f"bench-{mode}-server.log")
+            print(f"{mode} server: {shlex.join(servers[mode].command)}", file=sys.stderr, flush=True)
     print(f"loading {args.model}", file=sys.stderr, flush=True)
     loaded = load(spec["source"], load_format=spec["load_format"], quantize_bits=spec["quantize_bits"],
                   dtype=args.dtype)
     vocab = loaded.vocab_size or 32000
     engine = AsyncEngine(loaded, cfg).start(wait_warmup=True) if "engine" in modes else None
-    url = ""
-    model_name = None
+    served: dict[str, tuple[str, str]] = {}  # mode -> (url, model name)
     rng = random.Random(args.seed)
     rows = []
     try:
-        if server is not None:
+        for mode, server in servers.items():
             server.wait_healthy(START_TIMEOUT_S, warmed)  # its warm-up over: none of it between the timed requests
             url = server.base_url + "/v1"
-            model_name, _ = server_info(url, None, None)
+            served[mode] = url, server_info(url, None, None)[0]
 
         def one(mode: str, prompts, c: int, n_out: int):
             if mode == "bare":
                 return _measure(lambda: run_bare(loaded, cfg, [p[1] for p in prompts], c, n_out))
             if mode == "engine":
                 return _measure(lambda: run_engine(engine, [p[1] for p in prompts], c, n_out))
-            return _measure(lambda: run_http(args, url, model_name, [p[0] for p in prompts], c, n_out))
+            return _measure(lambda: run_http(args, *served[mode], [p[0] for p in prompts], c, n_out))
 
         # One short request each first (compilation, allocation), as bench serve does.
         warm = make_prompts(args, loaded.tokenizer, vocab, 1, rng)
@@ -315,13 +345,14 @@ def run(args) -> int:
             best: dict[str, dict] = {}
             for _ in range(args.repeats):
                 for mode in modes:
-                    server_cpu = server.cpu_seconds() if (server is not None and mode == "http") else None
+                    server = servers.get(mode)
+                    server_cpu = server.cpu_seconds() if server is not None else None
                     tokens, seconds, cpu, main = one(mode, prompts, c, args.output_len)
                     per_token = 1e6 / max(tokens, 1)
                     row = {"tok_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
                            "cpu_us_per_token": cpu * per_token, "main_thread_us_per_token": main * per_token,
                            "client_cpu_us_per_token": None}
-                    if mode == "http":  # the work is the server's; this process only ran the load generator
+                    if server is not None:  # the work is the server's; this process only ran the load generator
                         row["client_cpu_us_per_token"] = row["cpu_us_per_token"]
                         after = server.cpu_seconds() if server_cpu is not None else None
                         row["cpu_us_per_token"] = (after[0] - server_cpu[0]) * per_token if after else None
@@ -334,13 +365,14 @@ def run(args) -> int:
     finally:
         if engine is not None:
             engine.stop()
-        if server is not None:
+        for server in servers.values():
             server.stop()
 
     command = "mlxserve bench http " + " ".join(shlex.quote(a) for a in sys.argv[3:])
     text = markdown(args, info, command, rows, modes, flags)
     print(text)
     report.write_result("http", info, text, {"rows": rows, "modes": modes, "flags": flags,
+                                             "process_args": args.process_args if "http-process" in modes else None,
                                              "model": args.model, "endpoint": args.endpoint}, None, args.out_dir)
     return 0
 
@@ -348,14 +380,13 @@ def run(args) -> int:
 def markdown(args, info, command, rows, modes, flags) -> str:
     from mlxserve.bench import report
 
-    def ratio(row, a, b):
-        return f"{row[a]['tok_per_s'] / row[b]['tok_per_s']:.2f}" if a in row and b in row else "-"
-
+    ratios = [(a, b) for a, b in (("http", "engine"), ("http-process", "engine"), ("engine", "bare"))
+              if a in modes and b in modes]
+    served = [m for m in modes if m in SERVER_MODES]
     headers = ["concurrency", "requests", "prompt tokens"] + [f"{m} tok/s" for m in modes]
-    headers += ["http / engine", "engine / bare"] + [f"{m} CPU µs/token" for m in modes]
+    headers += [f"{a} / {b}" for a, b in ratios] + [f"{m} CPU µs/token" for m in modes]
     headers += [f"{m} main thread µs/token" for m in modes]
-    if "http" in modes:
-        headers.append("load generator CPU µs/token")
+    headers += [f"load generator CPU µs/token ({m})" for m in served]
 
     def num(v):
         return "-" if v is None else round(v)
@@ -364,19 +395,19 @@ def markdown(args, info, command, rows, modes, flags) -> str:
     for row in rows:
         cells = [row["concurrency"], row["requests"], row["prompt_tokens"]]
         cells += [row[m]["tok_per_s"] for m in modes]
-        cells += [ratio(row, "http", "engine"), ratio(row, "engine", "bare")]
+        cells += [f"{row[a]['tok_per_s'] / row[b]['tok_per_s']:.2f}" for a, b in ratios]
         cells += [num(row[m]["cpu_us_per_token"]) for m in modes]
         cells += [num(row[m]["main_thread_us_per_token"]) for m in modes]
-        if "http" in modes:
-            cells.append(num(row["http"]["client_cpu_us_per_token"]))
+        cells += [num(row[m]["client_cpu_us_per_token"]) for m in served]
         table_rows.append(cells)
     return "\n".join([
         report.header("HTTP vs engine vs bare BatchGenerator", info, command),
         f"Model {args.model}; {args.endpoint} prompts of {args.input_len} "
         f"{'words' if args.endpoint == 'chat' else 'token ids'}, {args.output_len} output tokens (EOS ignored), "
         f"greedy; {args.waves} x concurrency requests per level, at most `concurrency` in flight; best of "
-        f"{args.repeats} interleaved repeats. Engine and server flags: `{shlex.join(flags)}`. CPU µs/token: "
-        "CPU time of the process doing the work (the server child for http; MLX's compute threads included) "
-        "per output token; main thread: its event loop (engine, http) or the bare loop itself; the load "
-        "generator's: this process during the http runs (Linux for the server's).\n",
+        f"{args.repeats} interleaved repeats. Engine and server flags: `{shlex.join(flags)}`"
+        + (f"; http-process adds `{args.process_args}`" if "http-process" in modes else "") + ". CPU µs/token: "
+        "CPU time of the process doing the work (for http modes the server child with its descendants; MLX's "
+        "compute threads included) per output token; main thread: its event loop (engine, http modes) or the "
+        "bare loop itself; the load generator's: this process during the http runs (Linux for the server's).\n",
         report.table(headers, table_rows), ""])
