@@ -166,6 +166,13 @@ class EngineConfig:
         "more to the MLX thread's waits on the GPU instead of the middle of a step's host work. "
         "`mlxserve bench http` measures either.",
     )
+    engine_process: bool = setting(
+        False,
+        "Run the engine (the MLX thread: model, scheduler, caches) in a process of its own, as "
+        "vLLM's v1 does: the server's process then only does HTTP, detokenizing and SSE, and its "
+        "Python never waits for the GIL the engine's step building holds (`mlxserve bench http "
+        "--modes ...,http-process` measures both). Text models; a vision-language model is refused.",
+    )
     solo_fast_path: bool = setting(
         True,
         "Decode a lone request with a lean single-sequence loop (like mlx-lm's "

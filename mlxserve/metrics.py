@@ -57,9 +57,7 @@ class Metrics:
             Gauge("mlxserve_engine_steps", "Engine steps since start (of the models loaded now).",
                   registry=r).set_function(lambda: sum(e.steps for e in engines()))
 
-            r.register(PrefixCacheCollector(engines))
-            r.register(VisionCacheCollector(engines))
-            r.register(SpeculationCollector(engines))
+            r.register(EngineCountersCollector(lambda: [e.counters() for e in engines()]))
         if models is not None:
             r.register(ModelCollector(models))
 
@@ -67,86 +65,87 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class PrefixCacheCollector:
-    """The prefix cache's counters, read at scrape time.
+class EngineCountersCollector:
+    """The caches' and speculative decoding's counters, read at scrape time from each loaded
+    model's `engine.counters()` (plain numbers: the caches belong to the MLX thread, or to an
+    engine process), once per scrape."""
 
-    Only plain integer attributes are read: the cache belongs to the MLX
-    thread, and reading an int from another thread is safe where walking its
-    dicts would not be.
-    """
-
-    def __init__(self, engines):
-        self.engines = engines
+    def __init__(self, counters):
+        self.counters = counters  # () -> [engine.counters() per loaded model]
 
     def collect(self):
-        caches = [pc for pc in (e.prefix_cache for e in self.engines()) if pc is not None]
-        if not caches:
-            return
-        pools = [pc.pool for pc in caches]
-        yield from _families(
-            counters=[
-                ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
-                 sum(pc.queried_tokens for pc in caches)),
-                ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.",
-                 sum(pc.hit_tokens for pc in caches)),
-                ("prefix_cache_evictions", "Blocks evicted to keep the byte budget.", sum(p.evictions for p in pools)),
-            ],
-            gauges=[
-                ("prefix_cache_bytes", "Bytes of cached blocks in memory.", sum(p.nbytes for p in pools)),
-                ("prefix_cache_budget_bytes", "Byte budget of the prefix cache.", sum(p.budget for p in pools)),
-                ("prefix_cache_blocks", "Cached blocks in memory.", sum(len(p) for p in pools)),
-            ])
-        disks = [pc.disk for pc in caches if pc.disk is not None]
-        if disks:
-            yield from _families(
-                counters=[
-                    ("prefix_cache_disk_reads", "Blocks read back from the disk tier.", sum(d.reads for d in disks)),
-                    ("prefix_cache_disk_writes", "Blocks written to the disk tier.", sum(d.writes for d in disks)),
-                    ("prefix_cache_disk_evictions", "Block files deleted to keep the disk budget.",
-                     sum(d.evictions for d in disks)),
-                    ("prefix_cache_disk_faults", "Blocks the disk tier could not copy or write.",
-                     sum(d.faults for d in disks)),
-                    ("prefix_cache_disk_skipped", "Blocks never written: evicted from memory, or the engine "
-                     "was busy for too many.", sum(d.skipped for d in disks)),
-                    ("prefix_cache_disk_abandoned_tmp", "Temporary files of writes cut short (a crash), "
-                     "deleted at start.", sum(d.abandoned for d in disks)),
-                ],
-                gauges=[("prefix_cache_disk_bytes", "Bytes of block files in the disk tier.",
-                         sum(d.bytes for d in disks))])
-            dropped = CounterMetricFamily("prefix_cache_disk_dropped",
-                                          "Block files deleted instead of served: damaged (checksum mismatch), "
-                                          "unreadable, old_format (no checksum).", labels=["reason"])
-            reasons = {}
-            for d in disks:
-                for reason, n in list(d.dropped.items()):  # a fixed set of keys: safe from this thread
-                    reasons[reason] = reasons.get(reason, 0) + n
-            for reason, n in reasons.items():
-                dropped.add_metric([reason], n)
-            yield dropped
+        counters = self.counters()
+        yield from prefix_cache_families(counters)
+        yield from vision_cache_families(counters)
+        yield from speculation_families(counters)
 
 
-class VisionCacheCollector:
-    """The vision-embedding cache's counters (plain ints, read at scrape time like the prefix cache's)."""
+def prefix_cache_families(counters: list[dict]):
+    caches = [c["prefix_cache"] for c in counters if "prefix_cache" in c]
+    if not caches:
+        return
+    total = _summed(caches)
+    yield from _families(
+        counters=[
+            ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", total["queried_tokens"]),
+            ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.", total["hit_tokens"]),
+            ("prefix_cache_evictions", "Blocks evicted to keep the byte budget.", total["evictions"]),
+        ],
+        gauges=[
+            ("prefix_cache_bytes", "Bytes of cached blocks in memory.", total["bytes"]),
+            ("prefix_cache_budget_bytes", "Byte budget of the prefix cache.", total["budget"]),
+            ("prefix_cache_blocks", "Cached blocks in memory.", total["blocks"]),
+        ])
+    disks = [c["disk"] for c in counters if "disk" in c]
+    if not disks:
+        return
+    d = _summed([{k: v for k, v in disk.items() if k != "dropped"} for disk in disks])
+    yield from _families(
+        counters=[
+            ("prefix_cache_disk_reads", "Blocks read back from the disk tier.", d["reads"]),
+            ("prefix_cache_disk_writes", "Blocks written to the disk tier.", d["writes"]),
+            ("prefix_cache_disk_evictions", "Block files deleted to keep the disk budget.", d["evictions"]),
+            ("prefix_cache_disk_faults", "Blocks the disk tier could not copy or write.", d["faults"]),
+            ("prefix_cache_disk_skipped", "Blocks never written: evicted from memory, or the engine "
+             "was busy for too many.", d["skipped"]),
+            ("prefix_cache_disk_abandoned_tmp", "Temporary files of writes cut short (a crash), "
+             "deleted at start.", d["abandoned"]),
+        ],
+        gauges=[("prefix_cache_disk_bytes", "Bytes of block files in the disk tier.", d["bytes"])])
+    dropped = CounterMetricFamily("prefix_cache_disk_dropped",
+                                  "Block files deleted instead of served: damaged (checksum mismatch), "
+                                  "unreadable, old_format (no checksum).", labels=["reason"])
+    for reason, n in _summed([disk["dropped"] for disk in disks]).items():
+        dropped.add_metric([reason], n)
+    yield dropped
 
-    def __init__(self, engines):
-        self.engines = engines
 
-    def collect(self):
-        vcs = [vc for vc in (e.vision_cache for e in self.engines()) if vc is not None]
-        if not vcs:
-            return
-        yield from _families(
-            counters=[
-                ("vision_cache_hits", "Images whose embeddings came from the vision cache.", sum(v.hits for v in vcs)),
-                ("vision_cache_misses", "Images run through the vision tower.", sum(v.misses for v in vcs)),
-                ("vision_cache_evictions", "Entries evicted to keep the byte budget.", sum(v.evictions for v in vcs)),
-                ("vision_cache_released", "Entries dropped because the prefix cache holds their images' KV.",
-                 sum(v.releases for v in vcs)),
-            ],
-            gauges=[
-                ("vision_cache_bytes", "Bytes of cached image embeddings.", sum(v.bytes for v in vcs)),
-                ("vision_cache_entries", "Cached images (or video frame groups).", sum(len(v.entries) for v in vcs)),
-            ])
+def vision_cache_families(counters: list[dict]):
+    vcs = [c["vision_cache"] for c in counters if "vision_cache" in c]
+    if not vcs:
+        return
+    v = _summed(vcs)
+    yield from _families(
+        counters=[
+            ("vision_cache_hits", "Images whose embeddings came from the vision cache.", v["hits"]),
+            ("vision_cache_misses", "Images run through the vision tower.", v["misses"]),
+            ("vision_cache_evictions", "Entries evicted to keep the byte budget.", v["evictions"]),
+            ("vision_cache_released", "Entries dropped because the prefix cache holds their images' KV.",
+             v["releases"]),
+        ],
+        gauges=[
+            ("vision_cache_bytes", "Bytes of cached image embeddings.", v["bytes"]),
+            ("vision_cache_entries", "Cached images (or video frame groups).", v["entries"]),
+        ])
+
+
+def _summed(rows: list[dict]) -> dict:
+    """Key by key sums of dicts of numbers (one per loaded model)."""
+    total: dict = {}
+    for row in rows:
+        for k, v in row.items():
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 class ModelCollector:
@@ -162,29 +161,23 @@ class ModelCollector:
         yield family
 
 
-class SpeculationCollector:
-    """Speculative decoding's counters (plain ints, read at scrape time like the prefix cache's)."""
+def speculation_families(counters: list[dict]):
+    stats = [c["speculation"] for c in counters if "speculation" in c]
+    if not stats:
+        return
+    from mlxserve.engine.speculative import SpecStats
 
-    def __init__(self, engines):
-        self.engines = engines
-
-    def collect(self):
-        stats = [e.speculation.stats for e in self.engines() if e.speculation is not None]
-        if not stats:
-            return
-        from mlxserve.engine.speculative import SpecStats
-
-        s = SpecStats.summed(stats)  # over the loaded models, as the other series
-        yield from _families(
-            counters=[
-                ("spec_decode_verify_passes", "Forward passes that checked draft tokens.", s.passes),
-                ("spec_decode_draft_tokens", "Draft tokens proposed and checked.", s.drafted),
-                ("spec_decode_accepted_tokens", "Draft tokens accepted (equal to the model's own token).",
-                 s.accepted),
-                ("spec_decode_emitted_tokens", "Tokens emitted by verify passes (accepted drafts plus the "
-                 "model's token after them).", s.emitted),
-            ],
-            gauges=[("spec_decode_acceptance_rate", "Accepted / draft tokens since start.", s.acceptance_rate)])
+    s = SpecStats.summed(stats)  # over the loaded models, as the other series
+    yield from _families(
+        counters=[
+            ("spec_decode_verify_passes", "Forward passes that checked draft tokens.", s.passes),
+            ("spec_decode_draft_tokens", "Draft tokens proposed and checked.", s.drafted),
+            ("spec_decode_accepted_tokens", "Draft tokens accepted (equal to the model's own token).",
+             s.accepted),
+            ("spec_decode_emitted_tokens", "Tokens emitted by verify passes (accepted drafts plus the "
+             "model's token after them).", s.emitted),
+        ],
+        gauges=[("spec_decode_acceptance_rate", "Accepted / draft tokens since start.", s.acceptance_rate)])
 
 
 def _families(counters, gauges):

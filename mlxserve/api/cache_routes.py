@@ -89,7 +89,7 @@ async def make_pin(server: ServerState, state: ModelState, body: PinRequest) -> 
     except Exception as e:  # noqa: BLE001 - the engine's refusals (too long, queue full, dead)
         raise from_engine(e, {"prompt": "messages" if body.messages is not None else "prompt"}) from None
     server.pool.entries[state.model_name].prefix_pins[pid] = ids
-    return {"object": "cache.pin", "model": state.model_name, **pin.describe()}
+    return {"object": "cache.pin", "model": state.model_name, **pin}
 
 
 @router.post("/v1/cache/pin")

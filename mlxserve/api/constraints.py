@@ -37,12 +37,10 @@ class Grammars:
     def llg_tokenizer(self):
         with self._lock:
             if self._llg is None:
-                import llguidance.hf
+                from mlxserve.engine.grammar import llg_tokenizer
 
-                hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
                 try:
-                    self._llg = llguidance.hf.from_tokenizer(
-                        hf, n_vocab=self.vocab_size, eos_token=sorted(self.tokenizer.eos_token_ids))
+                    self._llg = llg_tokenizer(self.tokenizer, self.vocab_size)
                 except ValueError as e:  # a slow (Python) tokenizer
                     raise bad_request(f"constrained decoding needs a fast tokenizer: {e}") from None
             return self._llg
@@ -272,7 +270,7 @@ async def constrain(state, requests: list, grammar: tuple[str, str] | None) -> N
 
     matchers = await state.grammars.matchers(grammar[0], len(requests), grammar[1])
     for request, matcher in zip(requests, matchers):
-        request.params = replace(request.params, grammar=matcher)
+        request.params = replace(request.params, grammar=matcher, grammar_text=grammar[0])
 
 
 async def anthropic_grammar(state, body, tools: list[dict] | None) -> tuple[str, str] | None:

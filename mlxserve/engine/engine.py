@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import gc
 import logging
 import queue
@@ -207,6 +208,13 @@ class AsyncEngine:
             self._commands.put(("call", (fn, future)))
         return future
 
+    async def on_mlx_thread(self, method: str, *args):
+        """Run the engine's `method` (a dotted name: "pins._try") on the MLX thread between two
+        steps and return what it returns; by name, so that an engine in another process
+        (engine/process.py) can run it there."""
+        fn = functools.reduce(getattr, method.split("."), self)
+        return await asyncio.wrap_future(self.call(lambda: fn(*args)))
+
     def _cache_stats(self) -> dict:
         from mlxserve.cache.sizes import mlx_memory
 
@@ -221,21 +229,43 @@ class AsyncEngine:
         stats["mlx_memory"] = mlx_memory()
         return stats
 
+    def _reset_cache(self) -> dict:
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
+        if self.vision_cache is not None:
+            self.vision_cache.clear()
+        return self._cache_stats()
+
     async def cache_stats(self) -> dict:
         """Counters of the prefix cache (and, for a VLM, the vision cache)."""
-        return await asyncio.wrap_future(self.call(self._cache_stats))
+        return await self.on_mlx_thread("_cache_stats")
 
     async def reset_cache(self) -> dict:
         """Drop every cached block not in use and every cached image embedding; returns the stats after."""
+        return await self.on_mlx_thread("_reset_cache")
 
-        def reset():
-            if self.prefix_cache is not None:
-                self.prefix_cache.reset()
-            if self.vision_cache is not None:
-                self.vision_cache.clear()
-            return self._cache_stats()
-
-        return await asyncio.wrap_future(self.call(reset))
+    def counters(self) -> dict:
+        """The caches' and speculation's counters for /metrics: plain numbers only, read from any
+        thread (ints, as the MLX thread leaves them between two writes; no dict is walked)."""
+        out = {}
+        pc = self.prefix_cache
+        if pc is not None:
+            pool = pc.pool
+            out["prefix_cache"] = {"queried_tokens": pc.queried_tokens, "hit_tokens": pc.hit_tokens,
+                                   "evictions": pool.evictions, "bytes": pool.nbytes, "budget": pool.budget,
+                                   "blocks": len(pool)}
+            d = pc.disk
+            if d is not None:
+                out["disk"] = {"reads": d.reads, "writes": d.writes, "evictions": d.evictions, "faults": d.faults,
+                               "skipped": d.skipped, "abandoned": d.abandoned, "bytes": d.bytes,
+                               "dropped": dict(list(d.dropped.items()))}  # a fixed set of keys
+        vc = self.vision_cache
+        if vc is not None:
+            out["vision_cache"] = {"hits": vc.hits, "misses": vc.misses, "evictions": vc.evictions,
+                                   "releases": vc.releases, "bytes": vc.bytes, "entries": len(vc.entries)}
+        if self.speculation is not None:
+            out["speculation"] = self.speculation.stats
+        return out
 
     def image_is_cached(self, content_hash: str) -> bool:
         """Whether the vision cache holds this image's embeddings, or dropped them when its KV

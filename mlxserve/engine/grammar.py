@@ -94,6 +94,14 @@ class GrammarProcessor:
         return mx.where(allowed_tokens(self.bitmask, logits.shape[-1]), logits, -mx.inf)
 
 
+def llg_tokenizer(tokenizer, vocab_size: int):
+    """llguidance's view of the model's tokenizer (~1 s to build); ValueError for a slow one."""
+    import llguidance.hf
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=sorted(tokenizer.eos_token_ids))
+
+
 def grammar_of(processors) -> GrammarProcessor | None:
     """A row's grammar: the last of its processors, where make_processors puts it."""
     return processors[-1] if processors and isinstance(processors[-1], GrammarProcessor) else None

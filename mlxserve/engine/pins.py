@@ -6,13 +6,14 @@ pool's pin references) so that no flood of other prompts evicts them. Pinned
 bytes stay inside the prefix cache's byte budget: a pin that cannot fit is
 refused with the numbers, never squeezed in by growing the budget.
 
-The registry is touched on the MLX thread only (through `engine.call`), as
-the cache is; `pin` and `unpin` are called from the event loop.
+The registry is touched on the MLX thread only (through `engine.on_mlx_thread`,
+by name, so that it works with an engine in another process too), as the cache
+is; `pin`, `unpin` and `describe` are called from the event loop and return
+plain dicts (`Pin.describe()`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ class PinError(ValueError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+    def __reduce__(self):  # the status survives pickling (an engine process hands it back)
+        return type(self), (str(self), self.status)
 
 
 @dataclass
@@ -68,18 +72,29 @@ class PrefixPins:
             raise PinError(f"the prefix cache is off for this model: {pc.disabled}")
         return pc
 
-    def _try(self, pin_id: str, token_ids: list[int]) -> Pin | None:
+    def _try(self, pin_id: str, token_ids: list[int]) -> dict | None:
         """(MLX thread) The pin, made now if the prompt's blocks are all cached; else None."""
         if pin_id in self.pins:
-            return self.pins[pin_id]
+            return self.pins[pin_id].describe()
         pc = self._cache()
         blocks, n = pc.pin(token_ids)
         # All but the last token is enough: that is all a prompt that ends here restores.
         if n >= len(token_ids) - 1:
             pin = self.pins[pin_id] = Pin(pin_id, list(token_ids), n, blocks)
-            return pin
+            return pin.describe()
         pc.unpin(blocks)
         return None
+
+    def _unpin(self, pin_id: str) -> dict | None:
+        """(MLX thread)"""
+        pin = self.pins.pop(pin_id, None)
+        if pin is not None:
+            self._cache().unpin(pin.blocks)
+        return pin.describe() if pin is not None else None
+
+    def _describe(self) -> list[dict]:
+        """(MLX thread)"""
+        return [p.describe() for p in self.pins.values()]
 
     def _budget(self, token_ids: list[int]) -> dict:
         """(MLX thread) The numbers a refusal quotes: budget, bytes pinned, a per-token estimate."""
@@ -89,26 +104,27 @@ class PrefixPins:
         return {"budget": pool.budget, "pinned": stats["pinned_bytes"], "refused": dict(pool.refused),
                 "need": None if per_token is None else int(per_token * len(token_ids))}
 
-    async def pin(self, pin_id: str, token_ids: list[int]) -> Pin:
-        """Pin the prompt's blocks, prefilling it first when they are not all cached.
+    async def pin(self, pin_id: str, token_ids: list[int]) -> dict:
+        """Pin the prompt's blocks, prefilling it first when they are not all cached; returns
+        the pin's `describe()`.
 
         Raises PinError (400) when the prompt cannot fit the cache's budget beside
         what is pinned already, with the numbers.
         """
         if not token_ids:
             raise PinError("prompt: must contain at least one token")
-        call = self.engine.call
+        call = self.engine.on_mlx_thread
         for _ in range(PREFILL_TRIES):
-            pin = await asyncio.wrap_future(call(lambda: self._try(pin_id, token_ids)))
+            pin = await call("pins._try", pin_id, token_ids)
             if pin is not None:
                 return pin
-            before = await asyncio.wrap_future(call(lambda: self._budget(token_ids)))
+            before = await call("pins._budget", token_ids)
             self._check_fits(before, token_ids)
             await self._prefill(token_ids)
-            pin = await asyncio.wrap_future(call(lambda: self._try(pin_id, token_ids)))
+            pin = await call("pins._try", pin_id, token_ids)
             if pin is not None:
                 return pin
-            after = await asyncio.wrap_future(call(lambda: self._budget(token_ids)))
+            after = await call("pins._budget", token_ids)
             refused = {k: v - before["refused"].get(k, 0) for k, v in after["refused"].items()}
             if refused.get("no_room") or refused.get("too_big"):
                 raise PinError(self._too_big(after, token_ids, "its blocks did not fit"))
@@ -133,16 +149,9 @@ class PrefixPins:
         async for _ in self.engine.submit(request):
             pass
 
-    async def unpin(self, pin_id: str) -> Pin | None:
-        """Unpin; returns the pin, or None if there was none with that id."""
-
-        def drop():
-            pin = self.pins.pop(pin_id, None)
-            if pin is not None:
-                self._cache().unpin(pin.blocks)
-            return pin
-
-        return await asyncio.wrap_future(self.engine.call(drop))
+    async def unpin(self, pin_id: str) -> dict | None:
+        """Unpin; returns the pin's describe(), or None if there was none with that id."""
+        return await self.engine.on_mlx_thread("pins._unpin", pin_id)
 
     async def describe(self) -> list[dict]:
-        return await asyncio.wrap_future(self.engine.call(lambda: [p.describe() for p in self.pins.values()]))
+        return await self.engine.on_mlx_thread("pins._describe")

@@ -293,15 +293,16 @@ class ModelPool:
 
     def _load_blocking(self, entry: Entry):
         """(worker thread) Load the weights, start the engine, build the API's state."""
-        from mlxserve.models.load import load, load_draft
+        from mlxserve.models.load import load_configured
 
-        m = entry.spec.model
-        loaded = load(m.model, load_format=m.load_format, dtype=m.dtype, quantize_bits=m.quantize,
-                      seed=m.dummy_seed)
-        if m.draft_model:  # speculative decoding's proposer, loaded the same way
-            load_draft(loaded, m.draft_model, load_format=m.load_format, dtype=m.dtype,
-                       quantize_bits=m.quantize, seed=m.dummy_seed)
-        engine = AsyncEngine(loaded, entry.spec.engine).start()
+        if entry.spec.engine.engine_process:  # the child loads it; here only its tokenizer
+            from mlxserve.engine.process import ProcessEngine
+
+            engine = ProcessEngine.launch(entry.spec.model, entry.spec.engine).start()
+            loaded = engine.loaded
+        else:
+            loaded = load_configured(entry.spec.model)
+            engine = AsyncEngine(loaded, entry.spec.engine).start()
         try:
             served = self.build(entry, loaded, engine) if self.build is not None else None
         except BaseException:
@@ -478,11 +479,16 @@ def _stop(engine: AsyncEngine) -> None:
 
 def footprint(loaded, engine_cfg: EngineConfig) -> int:
     """What a loaded model counts against --models-memory: its weights and its caches' budgets."""
+    return weights_nbytes(loaded) + cache_budgets(engine_cfg, vision=loaded.vision is not None)
+
+
+def weights_nbytes(loaded) -> int:
+    if loaded.remote_weights_nbytes is not None:  # held by an engine process
+        return loaded.remote_weights_nbytes
     from mlx.utils import tree_flatten
 
     module = loaded.vision.model if loaded.vision is not None else loaded.model
-    weights = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
-    return weights + cache_budgets(engine_cfg, vision=loaded.vision is not None)
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
 
 def cache_budgets(cfg: EngineConfig, vision: bool) -> int:

@@ -46,6 +46,8 @@ class SamplingParams:
     # An llguidance LLMatcher (plain Python, one per request: it keeps the row's parser
     # state): only tokens its grammar accepts are sampled. See engine/grammar.py.
     grammar: Any = None
+    # Its grammar (llguidance's text), from which an engine in another process makes its own matcher.
+    grammar_text: str | None = None
     # Logprobs of the prompt's tokens, with this many best per position (engine/scoring.py).
     prompt_logprobs: int | None = None
 

@@ -27,6 +27,9 @@ class LoadedModel:
     source: str  # what the user passed
     vision: Any = None  # a VisionAdapter for vision-language models (`model` is then its text half)
     draft: "LoadedModel | None" = None  # the draft model of speculative decoding (load_draft)
+    tokenizer_dir: Path | None = None  # where the tokenizer was read from (an engine process's parent reads it too)
+    # Weights held in another process (an engine process's parent has no `model`): their bytes.
+    remote_weights_nbytes: int | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -102,6 +105,15 @@ def load(
         tried.append(f"{source!r} is a dummy shape: pass load_format='dummy' (--load-format dummy) for it")
     folder = hub_download(source, tried, progress)
     return load_folder(folder, served_name(source), source, dtype, quantize_bits)
+
+
+def load_configured(m) -> LoadedModel:
+    """The model of a config.ModelConfig (a served model's settings), with its draft model."""
+    loaded = load(m.model, load_format=m.load_format, dtype=m.dtype, quantize_bits=m.quantize, seed=m.dummy_seed)
+    if m.draft_model:  # speculative decoding's proposer, loaded the same way
+        load_draft(loaded, m.draft_model, load_format=m.load_format, dtype=m.dtype, quantize_bits=m.quantize,
+                   seed=m.dummy_seed)
+    return loaded
 
 
 def served_name(source: str | None, load_format: str = "auto") -> str:
@@ -185,6 +197,7 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
         context_length=context_length(config),
         config=config,
         source=source,
+        tokenizer_dir=default_tokenizer_dir(),
     ).with_vision(preprocessor)
 
 
@@ -232,6 +245,7 @@ def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits) -> L
         context_length=context_length(config),
         config=config,
         source=source,
+        tokenizer_dir=folder,
     ).with_vision(processor_config(folder))
 
 

@@ -1,0 +1,388 @@
+"""The engine in a process of its own (`--engine-process`), as vLLM's v1 splits its server.
+
+The server's process keeps all of a request but the MLX work: HTTP, chat rendering,
+detokenizing, stop strings, SSE. A child process loads the model and runs the engine's
+MLX thread (`AsyncEngine`, unchanged). So the server's Python, per token (detokenizing,
+JSON, socket writes), never waits for the GIL that the engine's step building holds, nor
+the engine for the server's.
+
+They talk over one pipe in pickled messages:
+- parent -> child: ("add", request, max_tokens), ("abort", request_id), ("call", id, method,
+  args): an engine method run on the MLX thread between two steps (cache stats, pins),
+  ("peek", id, method, args): one answered at once by the child's receiving thread, also
+  while a step runs (health, counters), and ("stop",).
+- child -> parent: ("ready", meta) or ("failed", error), once; ("out", outbox, running,
+  waiting, steps): one step's tokens for all its requests, one message a step;
+  ("reply", id, ok, value); ("warmed", status).
+The parent's `ProcessEngine` is an `AsyncEngine` whose MLX half is the child: `submit`,
+the output streams and `abort` are the same code, fed by a thread reading the pipe.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import sys
+import threading
+from dataclasses import replace
+
+from mlxserve.engine.engine import AsyncEngine, EngineDeadError
+from mlxserve.engine.request import EngineError, EngineStalledError
+from mlxserve.engine.stream import StreamFailure
+
+log = logging.getLogger("mlxserve.engine")
+
+PEEK_TIMEOUT_S = 2.0  # a child that does not answer a peek this fast is reported stalled
+STOP_TIMEOUT_S = 30.0  # then it is killed
+
+
+class ProcessEngine(AsyncEngine):
+    """The server's side of an engine process: requests in, each step's tokens out."""
+
+    @classmethod
+    def launch(cls, model_cfg, engine_cfg) -> "ProcessEngine":
+        """Start the child and wait until it has loaded the model and its engine runs (its
+        warm-up may still be going). Raises what loading raises (ModelLoadError, ValueError)
+        or EngineDeadError."""
+        ctx = multiprocessing.get_context("spawn")  # not fork: MLX and threads live here
+        conn, child_conn = ctx.Pipe(duplex=True)
+        process = ctx.Process(target=child_main, name="mlxserve-engine", daemon=True,
+                              args=(child_conn, model_cfg, engine_cfg, logging.getLogger().level))
+        process.start()
+        child_conn.close()
+        try:
+            while not conn.poll(0.5):
+                if not process.is_alive():
+                    raise EngineDeadError(f"the engine process exited while starting (exit code {process.exitcode})")
+            kind, payload = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            process.join(5)
+            raise EngineDeadError(f"the engine process exited while starting (exit code {process.exitcode})") from None
+        if kind == "failed":
+            process.join(10)
+            raise payload
+        return cls(_parent_loaded(payload), engine_cfg, process, conn, payload)
+
+    def __init__(self, loaded, config, process, conn, meta: dict):
+        super().__init__(loaded, config)
+        self.max_model_len = meta["max_model_len"]
+        self.kv_budget = meta["kv_budget"]  # admission is checked here, as in-process
+        self._process = process
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._commands = _Commands(self)  # what submit() and abort() put goes to the child
+        self._replies: dict[int, concurrent.futures.Future] = {}
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
+        self._thread.start()
+
+    # ---- lifetime ----
+    def start(self, wait_warmup: bool = False) -> "ProcessEngine":
+        # The reading thread hands each step's tokens to the event loop: like the MLX thread
+        # in-process, it should not wait Python's default 5 ms for the GIL.
+        sys.setswitchinterval(self.config.switch_interval_ms / 1e3)
+        if wait_warmup:
+            self.warmed.wait()
+        return self
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S, release_model: bool = False) -> None:
+        """Stop the child (its memory goes with it); its requests end with "engine stopped"."""
+        if self._stopping and not self._process.is_alive():
+            return
+        self._stopping = True
+        try:
+            self._send(("stop",))
+        except EngineDeadError:
+            pass
+        self._process.join(timeout)
+        if self._process.is_alive():
+            log.warning("the engine process did not stop within %.0f s: killing it", timeout)
+            self._process.kill()
+            self._process.join(5)
+        self._thread.join(5)
+
+    @property
+    def alive(self) -> bool:
+        return not self._stopping and self.fatal_error is None and self._process.is_alive()
+
+    def health(self) -> dict:
+        if not self.alive:
+            return super().health()  # "dead", with the reason
+        try:
+            return self._request("peek", "health").result(PEEK_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            return {"status": "stalled", "reason": f"the engine process did not answer within {PEEK_TIMEOUT_S:g} s"}
+        except EngineDeadError as e:
+            return {"status": "dead", "reason": str(e)}
+
+    def counters(self) -> dict:
+        if not self.alive:
+            return {}
+        try:
+            return self._request("peek", "counters").result(PEEK_TIMEOUT_S)
+        except (concurrent.futures.TimeoutError, EngineDeadError):
+            return {}
+
+    async def on_mlx_thread(self, method: str, *args):
+        import asyncio
+
+        return await asyncio.wrap_future(self._request("call", method, *args))
+
+    def call(self, fn):
+        raise TypeError("an engine process runs engine methods by name: use on_mlx_thread()")
+
+    def image_is_cached(self, content_hash: str) -> bool:
+        return False  # vision-language models are not served by an engine process
+
+    # ---- the pipe ----
+    def _send(self, message) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except (OSError, ValueError):  # a closed pipe: the child is gone
+            raise EngineDeadError(self.fatal_error or "the engine process is not running") from None
+
+    def _request(self, kind: str, method: str, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(EngineDeadError(self.fatal_error or "the engine process is not running"))
+            return future
+        call_id = next(self._ids)
+        self._replies[call_id] = future
+        try:
+            self._send((kind, call_id, method, args))
+        except EngineDeadError as e:
+            self._replies.pop(call_id, None)
+            future.set_exception(e)
+        return future
+
+    def _read(self) -> None:
+        """(its own thread) Hand the child's messages on until the pipe closes."""
+        try:
+            while True:
+                message = pickle.loads(self._conn.recv_bytes())
+                kind = message[0]
+                if kind == "out":
+                    _, outbox, self.num_running, self.num_waiting, self.steps = message
+                    self._publish(outbox)
+                elif kind == "reply":
+                    _, call_id, ok, value = message
+                    future = self._replies.pop(call_id, None)
+                    if future is not None and future.set_running_or_notify_cancel():
+                        future.set_result(value) if ok else future.set_exception(value)
+                elif kind == "warmed":
+                    self.warmup_status = message[1]
+                    self.warmed.set()
+        except (EOFError, OSError):
+            pass
+        except Exception:  # noqa: BLE001 - a bug here must not leave callers waiting
+            log.exception("reading the engine process's messages")
+        self._process.join(1)
+        if not self._stopping:
+            self.fatal_error = f"the engine process exited (exit code {self._process.exitcode})"
+            log.error("%s", self.fatal_error)
+        self.warmed.set()
+        for future in list(self._replies.values()):
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError(self.fatal_error or "engine stopped"))
+        self._replies.clear()
+        self._fail_all(self.fatal_error or "engine stopped")
+        self._conn.close()
+
+
+class _Commands:
+    """Stands for the MLX thread's command queue on the parent's side: sends to the child."""
+
+    def __init__(self, engine: ProcessEngine):
+        self.engine = engine
+
+    def put(self, command) -> None:
+        kind, arg = command
+        if kind == "add":
+            request, max_tokens = arg
+            if request.params.grammar is not None:  # the child makes its own matcher from grammar_text
+                request = replace(request, params=replace(request.params, grammar=None))
+            try:
+                self.engine._send(("add", request, max_tokens))
+            except EngineDeadError:
+                self.engine._streams.pop(request.request_id, None)
+                raise
+        elif kind == "abort":
+            try:
+                self.engine._send(("abort", arg))
+            except EngineDeadError:
+                pass  # its stream ends through the reader's _fail_all
+        else:
+            raise ValueError(f"an engine process takes no {kind!r} command")
+
+
+def _parent_loaded(meta: dict):
+    """The parent's LoadedModel: everything but the weights (the tokenizer read from the same folder)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxserve.models.load import LoadedModel
+
+    tokenizer = load_tokenizer(meta["tokenizer_dir"], eos_token_ids=meta["eos_token_ids"])
+    return LoadedModel(model=None, tokenizer=tokenizer, fingerprint=meta["fingerprint"], name=meta["name"],
+                       context_length=meta["context_length"], config=meta["config"], source=meta["source"],
+                       tokenizer_dir=meta["tokenizer_dir"], remote_weights_nbytes=meta["weights_nbytes"])
+
+
+# ---- the child ----
+
+class _ChildEngine(AsyncEngine):
+    """The engine in the child: each step's outbox goes down the pipe instead of to event loops."""
+
+    def __init__(self, loaded, config, send):
+        super().__init__(loaded, config)
+        self._send = send
+        self._llg = None  # llguidance's tokenizer, built on the first grammar
+
+    def add(self, request, max_tokens: int) -> None:
+        """(receiving thread)"""
+        if request.params.grammar_text is not None:
+            request.params.grammar = self._matcher(request.params.grammar_text)
+        if self.watchdog.stalled:
+            self._publish({request.request_id: [StreamFailure(str(self._stalled_error()), EngineStalledError)]})
+            return
+        self._streams[request.request_id] = None  # what _fail_all fails; values unused here
+        self._commands.put(("add", (request, max_tokens)))
+
+    def drop(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._commands.put(("abort", request_id))
+
+    def _matcher(self, grammar: str):
+        from llguidance import LLMatcher
+
+        from mlxserve.engine.grammar import llg_tokenizer
+
+        if self._llg is None:
+            self._llg = llg_tokenizer(self.tokenizer, self.loaded.vocab_size)
+        return LLMatcher(self._llg, grammar, log_level=0)
+
+    def _publish(self, outbox: dict[str, list]) -> None:
+        """(MLX thread; the watchdog's on a stall)"""
+        for request_id, items in outbox.items():
+            last = items[-1]
+            if isinstance(last, StreamFailure) or last.finish_reason is not None:
+                self._streams.pop(request_id, None)
+        try:
+            self._send(("out", outbox, self.num_running, self.num_waiting, self.steps))
+        except OSError:
+            pass  # the parent is gone; the receiving thread sees the pipe close and stops the engine
+
+
+def child_main(conn, model_cfg, engine_cfg, log_level: int) -> None:
+    """The engine process: load the model, run the engine, serve the parent's messages."""
+    code = 1
+    try:
+        _serve_parent(conn, model_cfg, engine_cfg, log_level)
+        code = 0
+    finally:
+        # Leave without the interpreter's teardown (spawn's child would sys.exit): MLX arrays
+        # freed at exit abort the process (ml-explore/mlx#3126); the engine's thread has
+        # already freed what it held and waited for its GPU work.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve_parent(conn, model_cfg, engine_cfg, log_level: int) -> None:
+    from mlxserve.engine.pool import weights_nbytes
+    from mlxserve.models.files import ModelLoadError
+    from mlxserve.models.load import load_configured
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    lock = threading.Lock()
+
+    def send(message) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        with lock:
+            conn.send_bytes(data)
+
+    try:
+        loaded = load_configured(model_cfg)
+        if loaded.vision is not None:
+            raise ModelLoadError(f"{loaded.name} is a vision-language model: --engine-process serves text "
+                                 "models only; serve it without --engine-process")
+        if loaded.tokenizer_dir is None:
+            raise ModelLoadError(f"{loaded.name}: its tokenizer's folder is not known, so the server's "
+                                 "process cannot read it; serve it without --engine-process")
+        engine = _ChildEngine(loaded, engine_cfg, send).start()
+    except Exception as e:  # noqa: BLE001 - handed to the parent, which reports it
+        send(("failed", _picklable(e)))
+        return
+    send(("ready", {"tokenizer_dir": str(loaded.tokenizer_dir), "eos_token_ids": sorted(loaded.tokenizer.eos_token_ids),
+                    "fingerprint": loaded.fingerprint, "name": loaded.name, "context_length": loaded.context_length,
+                    "config": loaded.config, "source": loaded.source, "weights_nbytes": weights_nbytes(loaded),
+                    "max_model_len": engine.max_model_len, "kv_budget": engine.kv_budget}))
+
+    def report_warmed():
+        engine.warmed.wait()
+        send(("warmed", engine.warmup_status))
+
+    threading.Thread(target=report_warmed, name="warmed", daemon=True).start()
+    try:
+        while True:
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                break  # the parent is gone
+            kind = message[0]
+            if kind == "add":
+                engine.add(message[1], message[2])
+            elif kind == "abort":
+                engine.drop(message[1])
+            elif kind in ("call", "peek"):
+                _, call_id, method, args = message
+                _answer(engine, send, kind, call_id, method, args)
+            elif kind == "stop":
+                break
+    finally:
+        engine.stop()
+        conn.close()
+
+
+def _answer(engine: _ChildEngine, send, kind: str, call_id: int, method: str, args: tuple) -> None:
+    import functools
+
+    def reply(ok: bool, value) -> None:
+        try:
+            send(("reply", call_id, ok, value if ok else _picklable(value)))
+        except OSError:
+            pass
+        except Exception as e:  # noqa: BLE001 - a value that does not pickle
+            send(("reply", call_id, False, EngineError(f"{method}: {e}")))
+
+    try:
+        fn = functools.reduce(getattr, method.split("."), engine)
+    except AttributeError as e:
+        reply(False, e)
+        return
+    if kind == "peek":
+        try:
+            reply(True, fn(*args))
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            reply(False, e)
+        return
+
+    def done(future: concurrent.futures.Future) -> None:
+        error = future.exception()
+        reply(error is None, future.result() if error is None else error)
+
+    engine.call(lambda: fn(*args)).add_done_callback(done)
+
+
+def _picklable(error: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001
+        return EngineError(f"{type(error).__name__}: {error}")

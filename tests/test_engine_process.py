@@ -1,0 +1,157 @@
+"""--engine-process: the engine in a child process gives what the in-process engine gives.
+
+The shared `server` (conftest) runs qwen3-tiny's engine in the test process; `remote` serves
+the same weights (the same dummy seed) with its engine in a spawned child. Every answer,
+token for token, logprobs and grammars included, must be the same; the caches, pins,
+/metrics and /health must work through the pipe; a dead child must give the API's errors.
+"""
+
+import json
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from conftest import LiveServer
+
+MODEL = "qwen3-tiny"
+MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "maximum": 99}}}
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}]
+
+
+def process_pool(*models: str, **engine):
+    from mlxserve.config import EngineConfig, ModelConfig
+    from mlxserve.engine.pool import ModelPool, ModelSpec
+
+    cfg = EngineConfig(engine_process=True, max_num_seqs=16, max_queue=64, **engine)
+    pool = ModelPool([ModelSpec(m, ModelConfig(model=m, load_format="dummy"), cfg) for m in models])
+    pool.preload()  # spawns the default model's engine process
+    return pool
+
+
+@pytest.fixture(scope="module")
+def remote():
+    live = LiveServer(None, pool=process_pool(MODEL))
+    yield live
+    live.close()
+
+
+def client_of(live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=120)
+
+
+def answers(response) -> tuple[list[dict], list[float]]:
+    """The choices, less the tool calls' random ids, and apart their logprobs: these may differ
+    in the last bits with what either server's prefix cache held before (how much of the prompt
+    it restored changes the float rounding of the rest, never the tokens)."""
+    out, numbers = [c.model_dump() for c in response.choices], []
+    for c in out:
+        for call in c["message"]["tool_calls"] or []:
+            call["id"] = None
+        for t in (c["logprobs"] or {}).get("content") or []:
+            numbers += [t.pop("logprob")] + [top.pop("logprob") for top in t["top_logprobs"]]
+    return out, numbers
+
+
+REQUESTS = [
+    dict(max_tokens=12, temperature=0, logprobs=True, top_logprobs=3),
+    dict(max_tokens=12, temperature=0.9, seed=7, n=2),
+    dict(max_tokens=40, seed=1, response_format={"type": "json_schema",
+                                                  "json_schema": {"name": "p", "schema": PERSON, "strict": True}}),
+    dict(max_tokens=80, seed=2, tools=TOOLS, tool_choice="required"),
+]
+
+
+@pytest.mark.parametrize("kwargs", REQUESTS, ids=["greedy-logprobs", "seeded-n2", "json-schema", "forced-tool"])
+def test_answers_are_those_of_the_in_process_engine(server, remote, kwargs):
+    local = client_of(server).chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
+    there = client_of(remote).chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
+    (choices, logprobs), (expected, expected_logprobs) = answers(there), answers(local)
+    assert choices == expected
+    assert logprobs == pytest.approx(expected_logprobs, abs=1e-3)
+    assert there.usage.completion_tokens == local.usage.completion_tokens
+    if "response_format" in kwargs:
+        jsonschema.validate(json.loads(there.choices[0].message.content), PERSON)
+    if "tools" in kwargs:
+        (call,) = there.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+
+
+def test_streams_stop_strings_and_the_prefix_cache(remote):
+    client = client_of(remote)
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)
+    text = whole.choices[0].text
+    stop = text[5:8]
+    chunks = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                       stream=True, stop=[stop])
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == text[:text.index(stop)]
+    # A long prompt asked twice: its blocks come from the cache the second time.
+    prompt = list(range(200, 300))
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 64
+    stats = httpx.get(remote.url + "/v1/cache/stats").json()
+    assert stats["prefix_cache"]["hits"] >= 1
+    metrics = httpx.get(remote.url + "/metrics").text
+    hits = next(line for line in metrics.splitlines() if line.startswith("prefix_cache_hits_tokens_total"))
+    assert float(hits.split()[1]) >= 64
+
+
+def test_pins_and_bad_input_through_the_pipe(remote):
+    pin = httpx.post(remote.url + "/v1/cache/pin", json={"model": MODEL, "prompt": list(range(400, 470))}).json()
+    assert pin["object"] == "cache.pin" and pin["tokens"] >= 69
+    (listed,) = [p for p in httpx.get(remote.url + "/v1/cache/pins").json()["data"] if p["id"] == pin["id"]]
+    assert listed["active"]
+    assert httpx.delete(remote.url + f"/v1/cache/pin/{pin['id']}").json()["deleted"]
+    client = client_of(remote)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL, prompt=[5] * 10, max_tokens=10**7)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"99999999": 5})
+    health = httpx.get(remote.url + "/health").json()
+    assert health["status"] == "ok" and health["warmup"]["state"] in ("off", "done")
+
+
+def test_a_closed_stream_frees_its_slot(remote):
+    with httpx.stream("POST", remote.base_url + "/completions", timeout=60, json={
+            "model": MODEL, "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+    deadline = time.monotonic() + 30
+    while httpx.get(remote.url + "/health").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(remote.url + "/health").json()["running"] == 0
+
+
+def test_a_dead_engine_process_gives_503s_and_the_server_stays_up():
+    live = LiveServer(None, pool=process_pool(MODEL, prefix_cache=False))
+    try:
+        engine = live.pool.default.engine
+        engine._process.kill()
+        engine._thread.join(10)
+        r = httpx.get(live.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "dead"
+        assert "engine process exited" in r.json()["reason"]
+        r = httpx.post(live.base_url + "/chat/completions", json={"model": MODEL, "messages": MESSAGES})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert httpx.get(live.base_url + "/models").status_code == 200
+    finally:
+        live.close()
+
+
+def test_a_vision_language_model_is_refused_with_the_reason():
+    from mlxserve.config import EngineConfig, ModelConfig
+    from mlxserve.engine.process import ProcessEngine
+    from mlxserve.models.files import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="vision-language model.*without --engine-process"):
+        ProcessEngine.launch(ModelConfig(model="qwen2.5-vl-tiny", load_format="dummy"),
+                             EngineConfig(engine_process=True))
