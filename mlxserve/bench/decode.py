@@ -96,6 +96,63 @@ def anatomy(model, prompt: list[int], n: int) -> dict:
     return out
 
 
+def linear_kernels(model, rounds: int = 8) -> list[dict]:
+    """GPU time of the decode step's matrix-vector products, one row per projection: each
+    layer's instance applied to one token, all layers in one evaluation, `rounds` times over
+    (more weight bytes than any cache holds, so each call reads its weights from memory), timed
+    from the evaluation's start to its end (the graph is built before). For a quantized
+    projection the same product with its weights dequantized (bf16 `x @ w.T`) beside it:
+    whether the quantized kernel, not the host, sets a step's time."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None) or getattr(model, "layers", [])
+    names = [n for n, m in layers[0].named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+    groups = [(n, [dict(layer.named_modules()).get(n) for layer in layers], None) for n in names]
+    embed = getattr(inner, "embed_tokens", None)
+    if getattr(model, "lm_head", None) is not None:
+        groups.append(("lm_head", [model.lm_head], None))
+    elif embed is not None and hasattr(embed, "as_linear"):  # a tied head reads the embedding table
+        groups.append(("embed_tokens (tied head)", [embed], lambda mod, v: mod.as_linear(v)))
+
+    def timed(fns, x) -> float:
+        """Best seconds of one round (one call of each fn)."""
+        best = float("inf")
+        for attempt in range(4):  # the first builds kernels
+            outs = [fn(x) for _ in range(rounds) for fn in fns]
+            t0 = time.perf_counter()
+            mx.eval(outs)
+            if attempt:
+                best = min(best, (time.perf_counter() - t0) / rounds)
+        return best
+
+    rows = []
+    for name, mods, call in groups:
+        if any(m is None or type(m) is not type(mods[0]) for m in mods):
+            continue
+        m = mods[0]
+        quantized = hasattr(m, "scales")
+        out_dim = m.weight.shape[0]
+        in_dim = m.weight.shape[1] * 32 // m.bits if quantized else m.weight.shape[1]
+        x = mx.random.normal((1, 1, in_dim)).astype(mx.bfloat16)
+        nbytes = sum(v.nbytes for mod in mods for _, v in tree_flatten(mod.parameters()))
+        seconds = timed([mod if call is None else (lambda v, mod=mod: call(mod, v)) for mod in mods], x)
+        row = {"name": name, "shape": f"{out_dim}x{in_dim}", "layers": len(mods), "bytes": nbytes,
+               "ms": seconds * 1e3, "gb_s": nbytes / seconds / 1e9}
+        if quantized:
+            dense = [mx.dequantize(mod.weight, mod.scales, mod.biases, mod.group_size, mod.bits,
+                                   **({"mode": mod.mode} if hasattr(mod, "mode") else {})).astype(mx.bfloat16)
+                     for mod in mods]
+            mx.eval(dense)
+            dense_s = timed([lambda v, w=w: v @ w.T for w in dense], x)
+            row.update(dense_ms=dense_s * 1e3, dense_gb_s=sum(w.nbytes for w in dense) / dense_s / 1e9)
+            del dense
+        rows.append(row)
+    return rows
+
+
 def bench_model(spec: dict, args, bandwidth: float | None) -> dict:
     from mlxserve.config import EngineConfig
     from mlxserve.engine.compiled import compilable
@@ -134,9 +191,37 @@ def bench_model(spec: dict, args, bandwidth: float | None) -> dict:
         compiled.stop()
     print("   step anatomy", file=sys.stderr, flush=True)
     result["anatomy"] = anatomy(model, prompt, min(args.tokens, 64))
+    print("   matrix-vector kernels", file=sys.stderr, flush=True)
+    result["kernels"] = linear_kernels(model)
     if bandwidth:
         result["floor_tok_s"] = bandwidth * 1e9 / (weights + kv)
     return result
+
+
+def kernel_table(rows: list[dict], eval_ms: float, bandwidth: float | None) -> str:
+    if not rows:
+        return ""
+    dense = any("dense_ms" in r for r in rows)
+    headers = ["projection", "shape", "layers", "MB", "ms per step", "GB/s"]
+    headers += ["bf16 ms", "bf16 GB/s"] if dense else []
+    table = [[r["name"], r["shape"], r["layers"], r["bytes"] / 1e6, r["ms"], r["gb_s"]]
+             + ([r.get("dense_ms", "-"), r.get("dense_gb_s", "-")] if dense else []) for r in rows]
+    total = sum(r["ms"] for r in rows)
+    text = ("\nMatrix-vector products of one decode step, timed alone on the device (each projection "
+            "of every layer applied to one token; GB/s: its weight bytes over its time"
+            + (f", against {bandwidth:,.0f} nominal" if bandwidth else "")
+            + ("; bf16: the same product with the weights dequantized" if dense else "") + "):\n\n")
+    text += report_table(headers, table)
+    share = f"{100 * total / eval_ms:.0f}%" if eval_ms else "-"
+    text += (f"\n\nTogether {total:.2f} ms, {share} of the eager step's {eval_ms:.2f} ms evaluation"
+             + (f" (bf16: {sum(r.get('dense_ms', r['ms']) for r in rows):.2f} ms)" if dense else "") + ".\n")
+    return text
+
+
+def report_table(headers, rows) -> str:
+    from mlxserve.bench import report
+
+    return report.table(headers, rows)
 
 
 def run(args) -> int:
@@ -171,6 +256,7 @@ def run(args) -> int:
                   "(compiled: replaying the trace) and evaluating it.\n")
         md.append(report.table(["step", "build ms", "eval ms", "build share"],
                                [[k, b, e, f"{100 * b / (b + e):.0f}%"] for k, (b, e) in r["anatomy"].items()]))
+        md.append(kernel_table(r["kernels"], r["anatomy"]["eager"][1], bandwidth))
         md.append("")
     text = "\n".join(md)
     print(text)
