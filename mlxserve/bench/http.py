@@ -1,8 +1,10 @@
 """`mlxserve bench http`: what the HTTP layer and the engine cost, in one run.
 
-For one model it measures three ways of running the same requests, level by level:
+For one model it measures three (to five) ways of running the same requests, level by level:
 - a bare mlx-lm `BatchGenerator` loop (what batching allows, with nothing around it);
 - the in-process engine (`AsyncEngine.submit`, with detokenizing);
+- optionally the same engine in a child process ("engine-process": `ProcessEngine`, what
+  `--engine-process` serves with), driven from here the same way;
 - `mlxserve serve` in a child process, streamed over HTTP by `bench serve`'s client ("http");
 - optionally a second such child with `--process-args` added ("http-process": by default
   `--engine-process`, its engine in a process of its own), so the two server setups meet
@@ -38,7 +40,7 @@ from mlxserve.bench.local import ChildServer, checkout_env, free_port, warmed
 
 START_TIMEOUT_S = 600
 ENGINE_PROCESS_FLAG = "--engine-process"  # `serve` runs its engine in a child process
-MODES = ("bare", "engine", "http", "http-process")
+MODES = ("bare", "engine", "engine-process", "http", "http-process")
 SERVER_MODES = ("http", "http-process")  # each one a `mlxserve serve` child of its own
 
 
@@ -240,34 +242,38 @@ class ServerChild(ChildServer):
         super().__init__(command + engine_flags, port, checkout_env(), log=log_path)
 
     def cpu_seconds(self) -> tuple[float, float] | None:
-        """User + system CPU seconds so far of the server with all its descendants (an engine
-        process, say; every thread) and of its main thread (the event loop: HTTP, detokenizing),
-        on Linux; else None."""
-        def fields(path: str) -> list[str]:  # those after "(comm)", which may hold spaces
-            return Path(path).read_text().rsplit(")", 1)[1].split()
+        return process_tree_cpu(self.pid)
 
-        def ticks(f: list[str], reaped: bool) -> int:  # utime + stime (+ cutime + cstime: reaped children's)
-            return sum(int(v) for v in f[11:15 if reaped else 13])
 
-        try:
-            main = ticks(fields(f"/proc/{self.pid}/task/{self.pid}/stat"), False)
-            children: dict[int, list[int]] = {}
-            stats = {}
-            for entry in Path("/proc").iterdir():
-                if entry.name.isdigit():
-                    try:
-                        stats[int(entry.name)] = f = fields(f"{entry}/stat")
-                    except OSError:  # gone since the listing
-                        continue
-                    children.setdefault(int(f[1]), []).append(int(entry.name))
-            total, todo = 0, [self.pid]
-            while todo:
-                pid = todo.pop()
-                total += ticks(stats[pid], True)
-                todo += children.get(pid, [])
-            return total / os.sysconf("SC_CLK_TCK"), main / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError, KeyError):
-            return None
+def process_tree_cpu(root: int) -> tuple[float, float] | None:
+    """User + system CPU seconds so far of process `root` with all its descendants (an engine
+    process, say; every thread) and of its main thread (a server's event loop: HTTP,
+    detokenizing), on Linux; else None."""
+    def fields(path: str) -> list[str]:  # those after "(comm)", which may hold spaces
+        return Path(path).read_text().rsplit(")", 1)[1].split()
+
+    def ticks(f: list[str], reaped: bool) -> int:  # utime + stime (+ cutime + cstime: reaped children's)
+        return sum(int(v) for v in f[11:15 if reaped else 13])
+
+    try:
+        main = ticks(fields(f"/proc/{root}/task/{root}/stat"), False)
+        children: dict[int, list[int]] = {}
+        stats = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stats[int(entry.name)] = f = fields(f"{entry}/stat")
+                except OSError:  # gone since the listing
+                    continue
+                children.setdefault(int(f[1]), []).append(int(entry.name))
+        total, todo = 0, [root]
+        while todo:
+            pid = todo.pop()
+            total += ticks(stats[pid], True)
+            todo += children.get(pid, [])
+        return total / os.sysconf("SC_CLK_TCK"), main / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, KeyError):
+        return None
 
 
 def engine_config(server_args: str, max_c: int):
@@ -315,6 +321,16 @@ def run(args) -> int:
                   dtype=args.dtype)
     vocab = loaded.vocab_size or 32000
     engine = AsyncEngine(loaded, cfg).start(wait_warmup=True) if "engine" in modes else None
+    remote = None  # engine-process: the engine in a child process, driven from here as `engine` is
+    if "engine-process" in modes:
+        from dataclasses import replace
+
+        from mlxserve.config import ModelConfig
+        from mlxserve.engine.process import ProcessEngine
+
+        model_cfg = ModelConfig(model=spec["source"], load_format=spec["load_format"],
+                                quantize=spec["quantize_bits"], dtype=args.dtype)
+        remote = ProcessEngine.launch(model_cfg, replace(cfg, engine_process=True)).start(wait_warmup=True)
     served: dict[str, tuple[str, str]] = {}  # mode -> (url, model name)
     rng = random.Random(args.seed)
     rows = []
@@ -327,8 +343,9 @@ def run(args) -> int:
         def one(mode: str, prompts, c: int, n_out: int):
             if mode == "bare":
                 return _measure(lambda: run_bare(loaded, cfg, [p[1] for p in prompts], c, n_out))
-            if mode == "engine":
-                return _measure(lambda: run_engine(engine, [p[1] for p in prompts], c, n_out))
+            if mode in ("engine", "engine-process"):
+                return _measure(lambda: run_engine(engine if mode == "engine" else remote,
+                                                   [p[1] for p in prompts], c, n_out))
             return _measure(lambda: run_http(args, *served[mode], [p[0] for p in prompts], c, n_out))
 
         # One short request each first (compilation, allocation), as bench serve does.
@@ -347,7 +364,12 @@ def run(args) -> int:
                 for mode in modes:
                     server = servers.get(mode)
                     server_cpu = server.cpu_seconds() if server is not None else None
+                    child = remote._process.pid if mode == "engine-process" else None
+                    child_cpu = process_tree_cpu(child) if child else None
                     tokens, seconds, cpu, main = one(mode, prompts, c, args.output_len)
+                    if child_cpu is not None:  # the engine's work is its child's
+                        after = process_tree_cpu(child)
+                        cpu += after[0] - child_cpu[0] if after else 0
                     per_token = 1e6 / max(tokens, 1)
                     row = {"tok_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
                            "cpu_us_per_token": cpu * per_token, "main_thread_us_per_token": main * per_token,
@@ -363,8 +385,9 @@ def run(args) -> int:
             rows.append({"concurrency": c, "requests": len(prompts),
                          "prompt_tokens": statistics.mean(len(p[1]) for p in prompts), **{m: best[m] for m in modes}})
     finally:
-        if engine is not None:
-            engine.stop()
+        for e in (engine, remote):
+            if e is not None:
+                e.stop()
         for server in servers.values():
             server.stop()
 
@@ -380,7 +403,8 @@ def run(args) -> int:
 def markdown(args, info, command, rows, modes, flags) -> str:
     from mlxserve.bench import report
 
-    ratios = [(a, b) for a, b in (("http", "engine"), ("http-process", "engine"), ("engine", "bare"))
+    ratios = [(a, b) for a, b in (("http", "engine"), ("http-process", "engine"), ("engine-process", "engine"),
+                                  ("engine", "bare"))
               if a in modes and b in modes]
     served = [m for m in modes if m in SERVER_MODES]
     headers = ["concurrency", "requests", "prompt tokens"] + [f"{m} tok/s" for m in modes]
@@ -408,6 +432,6 @@ def markdown(args, info, command, rows, modes, flags) -> str:
         f"{args.repeats} interleaved repeats. Engine and server flags: `{shlex.join(flags)}`"
         + (f"; http-process adds `{args.process_args}`" if "http-process" in modes else "") + ". CPU µs/token: "
         "CPU time of the process doing the work (for http modes the server child with its descendants; MLX's "
-        "compute threads included) per output token; main thread: its event loop (engine, http modes) or the "
+        "compute threads included; for engine-process this process and its engine child) per output token; main thread: its event loop (engine, http modes) or the "
         "bare loop itself; the load generator's: this process during the http runs (Linux for the server's).\n",
         report.table(headers, table_rows), ""])
