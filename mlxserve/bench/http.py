@@ -105,8 +105,9 @@ def run_bare(loaded, engine_cfg, prompts: list[list[int]], c: int, n_out: int) -
     start = time.perf_counter()
     gen.insert([list(p) for p in todo[:c]], max_tokens=[n_out] * min(c, len(todo)))
     todo = todo[c:]
-    tokens = finished = 0
+    tokens = finished = steps = 0
     while finished < len(prompts):
+        steps += 1
         for r in gen.next_generated():
             tokens += 1
             if r.finish_reason is not None:
@@ -115,7 +116,7 @@ def run_bare(loaded, engine_cfg, prompts: list[list[int]], c: int, n_out: int) -
                     gen.insert([list(todo.pop(0))], max_tokens=[n_out])
     elapsed = time.perf_counter() - start
     gen.close()
-    return tokens, elapsed
+    return tokens, elapsed, steps
 
 
 async def _engine_level(engine, prompts: list[list[int]], c: int, n_out: int) -> tuple[int, float]:
@@ -287,12 +288,26 @@ def engine_config(server_args: str, max_c: int):
     return from_namespace(EngineConfig, ns), flags
 
 
-def _measure(fn) -> tuple[int, float, float, float]:
-    """fn() -> (tokens, seconds[, ...]), plus this process's CPU seconds over it: all threads,
-    and the main thread's (the event loop, or the bare loop itself)."""
+def _measure(fn, steps=None) -> tuple[int, float, float, float, int | None]:
+    """fn() -> (tokens, seconds[, steps]), plus this process's CPU seconds over it (all threads,
+    and the main thread's: the event loop, or the bare loop itself) and the engine steps it
+    took: fn's own count, or `steps()` (an engine's counter) read before and after."""
     cpu, main = time.process_time(), time.thread_time()
+    before = steps() if steps is not None else None
     out = fn()
-    return (*out[:2], time.process_time() - cpu, time.thread_time() - main)
+    cpu, main = time.process_time() - cpu, time.thread_time() - main
+    taken = out[2] if len(out) > 2 else (steps() - before if before is not None else None)
+    return out[0], out[1], cpu, main, taken
+
+
+def server_steps(server: "ServerChild") -> int | None:
+    """The server's engine steps so far, from /health (one model)."""
+    import httpx
+
+    try:
+        return httpx.get(server.base_url + "/health", timeout=10).json().get("steps")
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def run(args) -> int:
@@ -344,9 +359,10 @@ def run(args) -> int:
             if mode == "bare":
                 return _measure(lambda: run_bare(loaded, cfg, [p[1] for p in prompts], c, n_out))
             if mode in ("engine", "engine-process"):
-                return _measure(lambda: run_engine(engine if mode == "engine" else remote,
-                                                   [p[1] for p in prompts], c, n_out))
-            return _measure(lambda: run_http(args, *served[mode], [p[0] for p in prompts], c, n_out))
+                e = engine if mode == "engine" else remote
+                return _measure(lambda: run_engine(e, [p[1] for p in prompts], c, n_out), lambda: e.steps)
+            return _measure(lambda: run_http(args, *served[mode], [p[0] for p in prompts], c, n_out)[:2],
+                            lambda: server_steps(servers[mode]))
 
         # One short request each first (compilation, allocation), as bench serve does.
         warm = make_prompts(args, loaded.tokenizer, vocab, 1, rng)
@@ -366,14 +382,16 @@ def run(args) -> int:
                     server_cpu = server.cpu_seconds() if server is not None else None
                     child = remote._process.pid if mode == "engine-process" else None
                     child_cpu = process_tree_cpu(child) if child else None
-                    tokens, seconds, cpu, main = one(mode, prompts, c, args.output_len)
+                    tokens, seconds, cpu, main, steps = one(mode, prompts, c, args.output_len)
                     if child_cpu is not None:  # the engine's work is its child's
                         after = process_tree_cpu(child)
                         cpu += after[0] - child_cpu[0] if after else 0
                     per_token = 1e6 / max(tokens, 1)
                     row = {"tok_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
                            "cpu_us_per_token": cpu * per_token, "main_thread_us_per_token": main * per_token,
-                           "client_cpu_us_per_token": None}
+                           "client_cpu_us_per_token": None, "steps": steps,
+                           "ms_per_step": seconds * 1e3 / steps if steps else None,
+                           "tokens_per_step": tokens / steps if steps else None}
                     if server is not None:  # the work is the server's; this process only ran the load generator
                         row["client_cpu_us_per_token"] = row["cpu_us_per_token"]
                         after = server.cpu_seconds() if server_cpu is not None else None
@@ -411,9 +429,13 @@ def markdown(args, info, command, rows, modes, flags) -> str:
     headers += [f"{a} / {b}" for a, b in ratios] + [f"{m} CPU µs/token" for m in modes]
     headers += [f"{m} main thread µs/token" for m in modes]
     headers += [f"load generator CPU µs/token ({m})" for m in served]
+    headers += [f"{m} tok/step" for m in modes] + [f"{m} ms/step" for m in modes]
 
     def num(v):
         return "-" if v is None else round(v)
+
+    def dec(v):
+        return "-" if v is None else f"{v:.2f}"
 
     table_rows = []
     for row in rows:
@@ -423,6 +445,7 @@ def markdown(args, info, command, rows, modes, flags) -> str:
         cells += [num(row[m]["cpu_us_per_token"]) for m in modes]
         cells += [num(row[m]["main_thread_us_per_token"]) for m in modes]
         cells += [num(row[m]["client_cpu_us_per_token"]) for m in served]
+        cells += [dec(row[m].get("tokens_per_step")) for m in modes] + [dec(row[m].get("ms_per_step")) for m in modes]
         table_rows.append(cells)
     return "\n".join([
         report.header("HTTP vs engine vs bare BatchGenerator", info, command),
@@ -433,5 +456,7 @@ def markdown(args, info, command, rows, modes, flags) -> str:
         + (f"; http-process adds `{args.process_args}`" if "http-process" in modes else "") + ". CPU µs/token: "
         "CPU time of the process doing the work (for http modes the server child with its descendants; MLX's "
         "compute threads included; for engine-process this process and its engine child) per output token; main thread: its event loop (engine, http modes) or the "
-        "bare loop itself; the load generator's: this process during the http runs (Linux for the server's).\n",
+        "bare loop itself; the load generator's: this process during the http runs (Linux for the server's). "
+        "tok/step and ms/step: output tokens and wall time per engine step (prefill steps count; the servers' "
+        "steps read from /health): a batch kept full makes more tokens a step.\n",
         report.table(headers, table_rows), ""])

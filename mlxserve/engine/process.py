@@ -21,11 +21,13 @@ the output streams and `abort` are the same code, fed by a thread reading the pi
 from __future__ import annotations
 
 import concurrent.futures
+import faulthandler
 import itertools
 import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import threading
 from dataclasses import replace
@@ -100,7 +102,11 @@ class ProcessEngine(AsyncEngine):
             pass
         self._process.join(timeout)
         if self._process.is_alive():
-            log.warning("the engine process did not stop within %.0f s: killing it", timeout)
+            log.warning("the engine process did not stop within %.0f s: killing it (its threads' stacks "
+                        "follow)", timeout)
+            if hasattr(signal, "SIGUSR1"):  # faulthandler in the child prints them
+                os.kill(self._process.pid, signal.SIGUSR1)
+                self._process.join(1)
             self._process.kill()
             self._process.join(5)
         self._thread.join(5)
@@ -300,6 +306,8 @@ def _serve_parent(conn, model_cfg, engine_cfg, log_level: int) -> None:
     from mlxserve.models.load import load_configured
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    if hasattr(signal, "SIGUSR1"):  # the parent asks for the threads' stacks before it kills a stuck child
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     lock = threading.Lock()
 
     def send(message) -> None:
