@@ -25,6 +25,7 @@ import faulthandler
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -58,14 +59,14 @@ class ProcessEngine(AsyncEngine):
         child_conn.close()
         try:
             while not conn.poll(0.5):
-                if not process.is_alive():
-                    raise EngineDeadError(f"the engine process exited while starting (exit code {process.exitcode})")
+                if exited(process):
+                    raise EngineDeadError(f"the engine process exited while starting{exit_code(process)}")
             kind, payload = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
-            process.join(5)
-            raise EngineDeadError(f"the engine process exited while starting (exit code {process.exitcode})") from None
+            exited(process, 5)
+            raise EngineDeadError(f"the engine process exited while starting{exit_code(process)}") from None
         if kind == "failed":
-            process.join(10)
+            exited(process, 10)
             raise payload
         return cls(_parent_loaded(payload), engine_cfg, process, conn, payload)
 
@@ -93,27 +94,29 @@ class ProcessEngine(AsyncEngine):
 
     def stop(self, timeout: float = STOP_TIMEOUT_S, release_model: bool = False) -> None:
         """Stop the child (its memory goes with it); its requests end with "engine stopped"."""
-        if self._stopping and not self._process.is_alive():
+        if self._stopping and exited(self._process):
             return
         self._stopping = True
         try:
             self._send(("stop",))
         except EngineDeadError:
             pass
-        self._process.join(timeout)
-        if self._process.is_alive():
+        if not exited(self._process, timeout):
             log.warning("the engine process did not stop within %.0f s: killing it (its threads' stacks "
                         "follow)", timeout)
-            if hasattr(signal, "SIGUSR1"):  # faulthandler in the child prints them
-                os.kill(self._process.pid, signal.SIGUSR1)
-                self._process.join(1)
-            self._process.kill()
-            self._process.join(5)
+            try:
+                if hasattr(signal, "SIGUSR1"):  # faulthandler in the child prints them
+                    os.kill(self._process.pid, signal.SIGUSR1)
+                    exited(self._process, 1)
+                self._process.kill()
+            except ProcessLookupError:
+                pass
+            exited(self._process, 5)
         self._thread.join(5)
 
     @property
     def alive(self) -> bool:
-        return not self._stopping and self.fatal_error is None and self._process.is_alive()
+        return not self._stopping and self.fatal_error is None and not exited(self._process)
 
     def health(self) -> dict:
         if not self.alive:
@@ -188,9 +191,9 @@ class ProcessEngine(AsyncEngine):
             pass
         except Exception:  # noqa: BLE001 - a bug here must not leave callers waiting
             log.exception("reading the engine process's messages")
-        self._process.join(1)
+        exited(self._process, 1)
         if not self._stopping:
-            self.fatal_error = f"the engine process exited (exit code {self._process.exitcode})"
+            self.fatal_error = f"the engine process exited{exit_code(self._process)}"
             log.error("%s", self.fatal_error)
         self.warmed.set()
         for future in list(self._replies.values()):
@@ -225,6 +228,19 @@ class _Commands:
                 pass  # its stream ends through the reader's _fail_all
         else:
             raise ValueError(f"an engine process takes no {kind!r} command")
+
+
+def exited(process, timeout: float = 0) -> bool:
+    """Whether the child has exited, waiting up to `timeout` s. Read from its sentinel (a pipe the
+    exit closes), not from waitpid as `Process.is_alive()` does: an event loop that reaps child
+    processes (uvloop's) would leave that saying "alive" forever."""
+    return bool(multiprocessing.connection.wait([process.sentinel], timeout))
+
+
+def exit_code(process) -> str:
+    """" (exit code N)", when this process reaped it."""
+    code = process.exitcode if exited(process) else None
+    return "" if code is None else f" (exit code {code})"
 
 
 def _parent_loaded(meta: dict):
