@@ -28,6 +28,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -35,7 +36,7 @@ from dataclasses import replace
 
 from mlxserve.engine.engine import AsyncEngine, EngineDeadError
 from mlxserve.engine.request import EngineError, EngineStalledError
-from mlxserve.engine.stream import StreamFailure
+from mlxserve.engine.stream import StreamFailure, StreamToken
 
 log = logging.getLogger("mlxserve.engine")
 
@@ -178,7 +179,8 @@ class ProcessEngine(AsyncEngine):
                 kind = message[0]
                 if kind == "out":
                     _, outbox, self.num_running, self.num_waiting, self.steps = message
-                    self._publish(outbox)
+                    self._publish({request_id: [StreamToken(*item) if type(item) is tuple else item for item in items]
+                                   for request_id, items in outbox.items()})
                 elif kind == "reply":
                     _, call_id, ok, value = message
                     future = self._replies.pop(call_id, None)
@@ -289,15 +291,56 @@ class _ChildEngine(AsyncEngine):
         return LLMatcher(self._llg, grammar, log_level=0)
 
     def _publish(self, outbox: dict[str, list]) -> None:
-        """(MLX thread; the watchdog's on a stall)"""
+        """(MLX thread; the watchdog's on a stall) Queued for the sending thread: pickling and
+        writing then overlap the MLX thread's next step (its waits on the device free the GIL)."""
         for request_id, items in outbox.items():
             last = items[-1]
             if isinstance(last, StreamFailure) or last.finish_reason is not None:
                 self._streams.pop(request_id, None)
-        try:
-            self._send(("out", outbox, self.num_running, self.num_waiting, self.steps))
-        except OSError:
-            pass  # the parent is gone; the receiving thread sees the pipe close and stops the engine
+        self._send(("out", outbox, self.num_running, self.num_waiting, self.steps))
+
+
+class _Sender:
+    """The child's one writer to the pipe: a thread that pickles and sends what is queued, in
+    order. Step outputs go as tuples (a dataclass pickles several times slower)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="engine-sender", daemon=True)
+        self.thread.start()
+
+    def put(self, message) -> None:
+        self.queue.put(message)
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(10)
+
+    def _run(self) -> None:
+        broken = False
+        while (message := self.queue.get()) is not None:
+            if broken:
+                continue  # the parent is gone; the receiving thread sees the pipe close and stops
+            if message[0] == "out":
+                outbox = {request_id: [_as_tuple(item) for item in items] for request_id, items in message[1].items()}
+                message = ("out", outbox, *message[2:])
+            try:
+                data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+            except Exception as e:  # noqa: BLE001 - a reply whose value does not pickle
+                data = pickle.dumps(("reply", message[1], False, EngineError(f"{e}")) if message[0] == "reply"
+                                    else ("failed", EngineError(f"{e}")))
+            try:
+                self.conn.send_bytes(data)
+            except OSError:
+                broken = True
+
+
+def _as_tuple(item):
+    if isinstance(item, StreamToken):
+        return (item.token, item.finish_reason, item.is_stop_token, item.logprob, item.top, item.cached_tokens,
+                item.time, item.prompt_logprobs)
+    return item
 
 
 def child_main(conn, model_cfg, engine_cfg, log_level: int) -> None:
@@ -324,12 +367,8 @@ def _serve_parent(conn, model_cfg, engine_cfg, log_level: int) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     if hasattr(signal, "SIGUSR1"):  # the parent asks for the threads' stacks before it kills a stuck child
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    lock = threading.Lock()
-
-    def send(message) -> None:
-        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
-        with lock:
-            conn.send_bytes(data)
+    sender = _Sender(conn)
+    send = sender.put
 
     try:
         loaded = load_configured(model_cfg)
@@ -342,6 +381,7 @@ def _serve_parent(conn, model_cfg, engine_cfg, log_level: int) -> None:
         engine = _ChildEngine(loaded, engine_cfg, send).start()
     except Exception as e:  # noqa: BLE001 - handed to the parent, which reports it
         send(("failed", _picklable(e)))
+        sender.close()
         return
     send(("ready", {"tokenizer_dir": str(loaded.tokenizer_dir), "eos_token_ids": sorted(loaded.tokenizer.eos_token_ids),
                     "fingerprint": loaded.fingerprint, "name": loaded.name, "context_length": loaded.context_length,
@@ -371,19 +411,15 @@ def _serve_parent(conn, model_cfg, engine_cfg, log_level: int) -> None:
                 break
     finally:
         engine.stop()
+        sender.close()  # what the engine's stop failed goes out first
         conn.close()
 
 
 def _answer(engine: _ChildEngine, send, kind: str, call_id: int, method: str, args: tuple) -> None:
     import functools
 
-    def reply(ok: bool, value) -> None:
-        try:
-            send(("reply", call_id, ok, value if ok else _picklable(value)))
-        except OSError:
-            pass
-        except Exception as e:  # noqa: BLE001 - a value that does not pickle
-            send(("reply", call_id, False, EngineError(f"{method}: {e}")))
+    def reply(ok: bool, value) -> None:  # a value that does not pickle: the sender replies with the error
+        send(("reply", call_id, ok, value if ok else _picklable(value)))
 
     try:
         fn = functools.reduce(getattr, method.split("."), engine)
