@@ -173,6 +173,14 @@ class EngineConfig:
         "Python never waits for the GIL the engine's step building holds (`mlxserve bench http "
         "--modes ...,http-process` measures both). Text models; a vision-language model is refused.",
     )
+    admission_window_ms: float = setting(
+        0.0,
+        "While requests decode, a new one waits up to this long (ms) to be admitted together with "
+        "others arriving, up to a prefill batch (--prefill-batch-size) or the free slots: one "
+        "prefill pass and one merge into the running batch instead of one per arrival (requests "
+        "reach the engine one by one over HTTP). An idle engine admits at once. 0: admit each at "
+        "the next step.",
+    )
     solo_fast_path: bool = setting(
         True,
         "Decode a lone request with a lean single-sequence loop (like mlx-lm's "

@@ -122,6 +122,55 @@ def test_request_joining_right_after_the_first_token_changes_nothing(tiny, join_
     assert all(len(t) == 8 for t in alone.values())
 
 
+def test_arrivals_while_decoding_are_admitted_together(tiny):
+    """--admission-window-ms: while a request decodes, new ones wait until a prefill batch of them
+    is there or the oldest has waited the window, then join in one step; tokens are unchanged."""
+    import time
+
+    from mlxserve.engine.runner import Runner
+    from mlxserve.engine.scheduler import Scheduler
+
+    loaded = tiny("qwen3-tiny")
+    prompts = prompts_for(5)
+
+    def run(window_s):
+        runner = Runner(loaded.model, max_num_seqs=8, prefill_chunk_size=16, prefill_batch_size=3)
+        scheduler = Scheduler(runner, eos_token_ids=[], vocab_size=loaded.config["vocab_size"], max_num_seqs=8,
+                              admission_window_s=window_s)
+        got = {f"r{i}": [] for i in range(5)}
+
+        def step():
+            for e in scheduler.step():
+                got[e.seq.request_id].append(e.token)
+
+        def add(i):
+            scheduler.add(Request(prompts[i], greedy(12), request_id=f"r{i}"), 12)
+
+        add(0)
+        step()  # an idle engine admits at once
+        running = [len(runner)]
+        add(1), add(2)
+        step(), step()
+        running.append(len(runner))  # two waiting, fewer than a prefill batch: still waiting
+        add(3)
+        step()
+        running.append(len(runner))  # a prefill batch: all three join
+        add(4)
+        step()
+        running.append(len(runner))
+        time.sleep(window_s)
+        step()
+        running.append(len(runner))  # the window is over: it joins alone
+        while scheduler.has_work():
+            step()
+        return running, got
+
+    running, got = run(1.0)  # far longer than a tiny model's steps on a loaded CI machine
+    assert running == [1, 1, 4, 4, 5]
+    assert got == run(0.0)[1]  # as if each had joined at once
+    assert all(len(t) == 12 for t in got.values())
+
+
 def test_abort_frees_the_slot(tiny):
     engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig()).start()
     try:

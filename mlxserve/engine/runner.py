@@ -59,6 +59,7 @@ class Sequence:
     # tokens attend to each other both ways (VisionAdapter.whole_images).
     whole: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprobs: list | None = None  # computed by a PromptScorer; its first event carries them
+    queued_at: float = 0.0  # time.perf_counter() when the scheduler queued it
 
     def cut(self, done: int, n: int) -> int:
         """The next prefill pass's length from `done` tokens: at most n, ending at a checkpoint,

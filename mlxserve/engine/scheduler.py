@@ -8,6 +8,7 @@ the next step.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from mlxserve.engine.request import Request
@@ -16,8 +17,10 @@ from mlxserve.engine.sampling import make_processors, make_sampler, make_stop_se
 
 
 class Scheduler:
-    def __init__(self, runner: Runner, *, eos_token_ids, vocab_size: int, max_num_seqs: int, kv_budget=None):
+    def __init__(self, runner: Runner, *, eos_token_ids, vocab_size: int, max_num_seqs: int, kv_budget=None,
+                 admission_window_s: float = 0.0):
         self.runner = runner
+        self.admission_window_s = admission_window_s  # --admission-window-ms
         self.kv_budget = kv_budget
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
@@ -43,6 +46,7 @@ class Scheduler:
                 processors=make_processors(params, self.vocab_size, self.eos_token_ids),
                 stop_ids=stop_ids,
                 stop_sequences=make_stop_sequences(stop_ids),
+                queued_at=time.perf_counter(),
             )
         )
 
@@ -63,11 +67,23 @@ class Scheduler:
         running = [_length(s) for s in self.runner.sequences]
         return self.kv_budget.admits(running, _length(seq))
 
+    def _admit_now(self) -> bool:
+        """Whether the waiting requests join now. While others decode, arrivals are gathered for up
+        to the admission window: each admission costs a prefill pass and a merge of the running
+        batch's caches, the same for one request as for a prefill batch of them."""
+        if not self.admission_window_s or not self.waiting or len(self.runner) == 0:
+            return True
+        room = self.max_num_seqs - len(self.runner)
+        if len(self.waiting) >= min(room, self.runner.prefill_batch_size):
+            return True
+        return time.perf_counter() - self.waiting[0].queued_at >= self.admission_window_s
+
     def step(self) -> list[TokenEvent]:
         events = []
         # In arrival order: a long request waiting for memory is not overtaken (and starved).
-        while self.waiting and len(self.runner) < self.max_num_seqs and self._fits(self.waiting[0]):
-            events += self.runner.add(self.waiting.popleft())
+        if self._admit_now():
+            while self.waiting and len(self.runner) < self.max_num_seqs and self._fits(self.waiting[0]):
+                events += self.runner.add(self.waiting.popleft())
         return events + self.runner.step()
 
 
