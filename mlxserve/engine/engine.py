@@ -22,6 +22,7 @@ import traceback
 from typing import AsyncIterator
 
 from mlxserve.config import EngineConfig
+from mlxserve.engine.counters import engine_counters
 from mlxserve.engine.detokenize import IncrementalDetokenizer, StopStringMatcher, fast_decode
 from mlxserve.engine.guard import Watchdog, kv_budget_for
 from mlxserve.engine.pins import PrefixPins
@@ -245,27 +246,8 @@ class AsyncEngine:
         return await self.on_mlx_thread("_reset_cache")
 
     def counters(self) -> dict:
-        """The caches' and speculation's counters for /metrics: plain numbers only, read from any
-        thread (ints, as the MLX thread leaves them between two writes; no dict is walked)."""
-        out = {}
-        pc = self.prefix_cache
-        if pc is not None:
-            pool = pc.pool
-            out["prefix_cache"] = {"queried_tokens": pc.queried_tokens, "hit_tokens": pc.hit_tokens,
-                                   "evictions": pool.evictions, "bytes": pool.nbytes, "budget": pool.budget,
-                                   "blocks": len(pool)}
-            d = pc.disk
-            if d is not None:
-                out["disk"] = {"reads": d.reads, "writes": d.writes, "evictions": d.evictions, "faults": d.faults,
-                               "skipped": d.skipped, "abandoned": d.abandoned, "bytes": d.bytes,
-                               "dropped": dict(list(d.dropped.items()))}  # a fixed set of keys
-        vc = self.vision_cache
-        if vc is not None:
-            out["vision_cache"] = {"hits": vc.hits, "misses": vc.misses, "evictions": vc.evictions,
-                                   "releases": vc.releases, "bytes": vc.bytes, "entries": len(vc.entries)}
-        if self.speculation is not None:
-            out["speculation"] = self.speculation.stats
-        return out
+        """The caches' and speculation's counters for /metrics (engine/counters.py)."""
+        return engine_counters(self)
 
     def image_is_cached(self, content_hash: str) -> bool:
         """Whether the vision cache holds this image's embeddings, or dropped them when its KV
