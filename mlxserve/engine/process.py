@@ -367,6 +367,11 @@ def _serve_parent(conn, model_cfg, engine_cfg, log_level: int) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     if hasattr(signal, "SIGUSR1"):  # the parent asks for the threads' stacks before it kills a stuck child
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Ctrl+C (and `timeout`, a shell's kill) signal the whole process group: the server drains its
+    # requests and then stops this process; left to die here, they would fail at once. A server
+    # gone for good closes the pipe, and that ends this process.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     sender = _Sender(conn)
     send = sender.put
 
