@@ -20,6 +20,7 @@ the output streams and `abort` are the same code, fed by a thread reading the pi
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import faulthandler
 import itertools
@@ -138,8 +139,6 @@ class ProcessEngine(AsyncEngine):
             return {}
 
     async def on_mlx_thread(self, method: str, *args):
-        import asyncio
-
         return await asyncio.wrap_future(self._request("call", method, *args))
 
     def call(self, fn):
@@ -240,7 +239,7 @@ def exited(process, timeout: float = 0) -> bool:
 
 
 def exit_code(process) -> str:
-    """" (exit code N)", when this process reaped it."""
+    """The text " (exit code N)" when this process reaped the child, else nothing."""
     code = process.exitcode if exited(process) else None
     return "" if code is None else f" (exit code {code})"
 
@@ -406,7 +405,10 @@ def _serve_parent(conn, model_cfg, engine_cfg, log_level: int) -> None:
                 break  # the parent is gone
             kind = message[0]
             if kind == "add":
-                engine.add(message[1], message[2])
+                try:
+                    engine.add(message[1], message[2])
+                except Exception as e:  # noqa: BLE001 - fail this request, not the engine
+                    engine._publish({message[1].request_id: [StreamFailure(f"{e}")]})
             elif kind == "abort":
                 engine.drop(message[1])
             elif kind in ("call", "peek"):
