@@ -213,8 +213,12 @@ class AsyncEngine:
         """Run the engine's `method` (a dotted name: "pins._try") on the MLX thread between two
         steps and return what it returns; by name, so that an engine in another process
         (engine/process.py) can run it there."""
-        fn = functools.reduce(getattr, method.split("."), self)
+        fn = self.method(method)
         return await asyncio.wrap_future(self.call(lambda: fn(*args)))
+
+    def method(self, name: str):
+        """The engine's method of a dotted name ("pins._try"); AttributeError if there is none."""
+        return functools.reduce(getattr, name.split("."), self)
 
     def _cache_stats(self) -> dict:
         from mlxserve.cache.sizes import mlx_memory
@@ -530,8 +534,8 @@ class AsyncEngine:
             for ev in events:
                 outbox.setdefault(ev.seq.request_id, []).append(
                     StreamToken(ev.token, ev.finish_reason,
-                           ev.finish_reason == "stop" and ev.token in ev.seq.stop_ids,
-                           ev.logprob, ev.top, ev.seq.cached_tokens, now, ev.prompt_logprobs)
+                                ev.finish_reason == "stop" and ev.token in ev.seq.stop_ids,
+                                ev.logprob, ev.top, ev.seq.cached_tokens, now, ev.prompt_logprobs)
                 )
             self.num_running = scheduler.num_running
             self.num_waiting = len(scheduler.waiting)

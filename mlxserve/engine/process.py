@@ -423,13 +423,11 @@ def _serve_parent(conn, model_cfg, engine_cfg, log_level: int) -> None:
 
 
 def _answer(engine: _ChildEngine, send, kind: str, call_id: int, method: str, args: tuple) -> None:
-    import functools
-
     def reply(ok: bool, value) -> None:  # a value that does not pickle: the sender replies with the error
         send(("reply", call_id, ok, value if ok else _picklable(value)))
 
     try:
-        fn = functools.reduce(getattr, method.split("."), engine)
+        fn = engine.method(method)
     except AttributeError as e:
         reply(False, e)
         return
