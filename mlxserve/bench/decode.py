@@ -199,6 +199,8 @@ def bench_model(spec: dict, args, bandwidth: float | None) -> dict:
 
 
 def kernel_table(rows: list[dict], eval_ms: float, bandwidth: float | None) -> str:
+    from mlxserve.bench import report
+
     if not rows:
         return ""
     dense = any("dense_ms" in r for r in rows)
@@ -211,17 +213,11 @@ def kernel_table(rows: list[dict], eval_ms: float, bandwidth: float | None) -> s
             "of every layer applied to one token; GB/s: its weight bytes over its time"
             + (f", against {bandwidth:,.0f} nominal" if bandwidth else "")
             + ("; bf16: the same product with the weights dequantized" if dense else "") + "):\n\n")
-    text += report_table(headers, table)
+    text += report.table(headers, table)
     share = f"{100 * total / eval_ms:.0f}%" if eval_ms else "-"
     text += (f"\n\nTogether {total:.2f} ms, {share} of the eager step's {eval_ms:.2f} ms evaluation"
              + (f" (bf16: {sum(r.get('dense_ms', r['ms']) for r in rows):.2f} ms)" if dense else "") + ".\n")
     return text
-
-
-def report_table(headers, rows) -> str:
-    from mlxserve.bench import report
-
-    return report.table(headers, rows)
 
 
 def run(args) -> int:
