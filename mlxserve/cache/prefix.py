@@ -19,7 +19,6 @@ its reason) and the request runs uncached, it never fails.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -101,7 +100,6 @@ class PrefixCache:
         self.partial_hits = 0  # hits that end inside a block (a cached block used in part, or a tail)
         self.misses = dict.fromkeys(MISS_REASONS, 0)
         self.faults: dict[str, int] = {}
-        self._copies: list | None = None  # block copies queued by `copies_together`
 
     @property
     def specs(self):
@@ -443,19 +441,6 @@ class PrefixCache:
 
     # ---- store ----
 
-    @contextlib.contextmanager
-    def copies_together(self):
-        """Queue the block copies of the stores made inside as one evaluation. Each
-        evaluation MLX queues is a task of its own, and a batch whose rows finish on one
-        step would otherwise queue one per row."""
-        self._copies = []
-        try:
-            yield
-        finally:
-            copies, self._copies = self._copies, None
-            if copies:
-                mx.async_eval(copies)
-
     def store_from_cache(self, cache_layers, token_ids, upto_tokens: int, extra_keys=None, *, hashes=None,
                          finished: bool = False, state: bool = True) -> int:
         """Store every full block of `token_ids[:upto_tokens]` not stored yet, from a single-sequence cache.
@@ -520,11 +505,7 @@ class PrefixCache:
             # Queued, not waited for: the copies run after the decode step already queued, and
             # waiting here would leave the accelerator idle while the host builds the next step
             # (a read of a payload, e.g. by the disk tier, waits for it then).
-            copies = [a for p in payloads for a in payload_arrays(p)]
-            if self._copies is not None:
-                self._copies += copies
-            else:
-                mx.async_eval(copies)
+            mx.async_eval([a for p in payloads for a in payload_arrays(p)])
             for j, payload in enumerate(payloads):
                 for spec, e in zip(leaf_specs, flat_entries(payload, specs)):
                     if only is None and spec[0] == "full" and e is None:

@@ -493,15 +493,8 @@ class Runner:
         self.generator._generation_batch.row_logprobs = any(
             s.request.params.logprobs for s in self.batch.values())
         prompt_progress, responses = self.generator.next()
-        if self.prefix_cache is None:
-            return self._batch_events(responses)
-        # One evaluation for all the step's block copies (rows often finish together).
-        with self.prefix_cache.copies_together():
-            if prompt_progress:
-                self._store_prompt_blocks()
-            return self._batch_events(responses)
-
-    def _batch_events(self, responses) -> list[TokenEvent]:
+        if self.prefix_cache is not None and prompt_progress:
+            self._store_prompt_blocks()
         events = []
         for r in responses:
             seq = self.batch.get(r.uid)
