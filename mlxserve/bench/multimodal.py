@@ -273,7 +273,7 @@ def decode_stall(bench: Bench, args) -> list[dict]:
 def run(args) -> int:
     from mlxserve.bench import report
     from mlxserve.bench.engine import _parse_model
-    from mlxserve.engine.engine import default_block_size
+    from mlxserve.cache.blocks import default_block_size
     from mlxserve.models.load import load
 
     spec = _parse_model(args.model)

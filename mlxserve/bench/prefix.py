@@ -324,7 +324,7 @@ def trace_markdown(traces, args) -> list[str]:
 def run(args) -> int:
     from mlxserve.bench import report
     from mlxserve.bench.engine import _parse_model
-    from mlxserve.engine.engine import default_block_size
+    from mlxserve.cache.blocks import default_block_size
     from mlxserve.models.load import load
 
     spec = _parse_model(args.model)

@@ -362,6 +362,7 @@ class AsyncEngine:
         self.prefix_cache = None
         if cfg.prefix_cache:
             from mlxserve.cache import BlockPool, PrefixCache, parse_size
+            from mlxserve.cache.blocks import default_block_size
 
             # Blocks hold KV as the engine computes it: quantized KV, and how attention
             # reads it (which changes later layers' KV), is another fingerprint.
@@ -589,17 +590,6 @@ def _runtime() -> str:
             return "?"
 
     return "".join(f"/{p}{of(p)}" for p in ("mlx", "mlx-lm", "mlx-vlm", "mlxserve"))
-
-
-def default_block_size() -> int:
-    """Measured (benchmarks/prefix-*): on a GPU storing a block costs kernel launches
-    per layer, so small blocks slow misses (2k-token miss on an H100: 311 ms at 32,
-    222 ms at 256). On the CPU hit and miss cost the same from 32 to 256 within noise
-    (2k-token hit 592-646 ms, miss 21.4-22.6 s), so the finest granularity wins: more
-    of each conversation turn (a prompt plus its answer) falls in full blocks."""
-    import mlx.core as mx
-
-    return 256 if mx.default_device().type == mx.gpu else 32
 
 
 def _deliver(deliveries) -> None:
