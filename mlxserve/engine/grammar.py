@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 from llguidance import LLExecutor, LLMatcher
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 
 class MaskStats:
@@ -137,7 +138,8 @@ def fill_masks(grammars: list[GrammarProcessor | None], previous: list[int], voc
 
 class ConstrainedGenerationBatch(_generate.GenerationBatch):
     """mlx-lm's GenerationBatch, whose step masks constrained rows as one batch (see the module
-    doc), and hands out per-row logprobs only while some row wants them.
+    doc), hands out per-row logprobs only while some row wants them, and a finished row's KV
+    as views.
 
     mlx-lm splits the step's (B, vocab) logprobs into B arrays and evaluates them every step,
     whether or not anyone reads them: host time per step that grows with the batch. The runner
@@ -202,6 +204,22 @@ class ConstrainedGenerationBatch(_generate.GenerationBatch):
         for tokens, token in zip(self.tokens, previous):
             tokens.append(token)
         return previous, self._current_logprobs
+
+    def extract_cache(self, idx: int) -> list:
+        """A finished row's cache, as mlx-lm's, but a plain KV layer's row is a view of the batch's
+        buffers where mlx-lm queues a copy per layer: the prefix cache, its one reader, copies
+        it into blocks anyway (the view keeps the old buffers until those copies have run)."""
+        return [_row_view(c, idx) if type(c) is BatchKVCache else c.extract(idx) for c in self.prompt_cache]
+
+
+def _row_view(c, idx: int) -> KVCache:
+    mx.eval(c.left_padding)
+    padding = c.left_padding.tolist()[idx]
+    row = KVCache()
+    row.keys = c.keys[idx:idx + 1, :, padding:c._idx]
+    row.values = c.values[idx:idx + 1, :, padding:c._idx]
+    row.offset = row.keys.shape[2]
+    return row
 
 
 def _mask_thread() -> ThreadPoolExecutor:
