@@ -155,3 +155,25 @@ def test_a_vision_language_model_is_refused_with_the_reason():
     with pytest.raises(ModelLoadError, match="vision-language model.*without --engine-process"):
         ProcessEngine.launch(ModelConfig(model="qwen2.5-vl-tiny", load_format="dummy"),
                              EngineConfig(engine_process=True))
+
+
+def test_step_outputs_that_do_not_pickle_fail_their_requests_instead_of_hanging():
+    """The child's sender: a step's outputs that cannot cross the pipe end those requests with
+    the error (their callers would otherwise wait for ever), and later messages still go."""
+    import multiprocessing
+    import pickle
+
+    from mlxserve.engine.process import _Sender
+    from mlxserve.engine.stream import StreamFailure, StreamToken
+
+    here, there = multiprocessing.Pipe()
+    sender = _Sender(there)
+    fine = StreamToken(5, None, False, None, None, 0, 0.0)
+    sender.put(("out", {"a": [fine], "b": [StreamToken(6, None, False, None, [lambda: 0], 0, 0.0)]}, 2, 0, 7))
+    sender.put(("out", {"a": [fine]}, 1, 0, 8))
+    sender.close()
+    kind, failed, *counts = pickle.loads(here.recv_bytes())
+    assert kind == "out" and counts == [2, 0, 7] and set(failed) == {"a", "b"}
+    assert all(len(items) == 1 and isinstance(items[0], StreamFailure) and "pickle" in items[0].message
+               for items in failed.values())
+    assert pickle.loads(here.recv_bytes()) == ("out", {"a": [(5, None, False, None, None, 0, 0.0, None)]}, 1, 0, 8)

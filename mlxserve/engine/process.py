@@ -326,13 +326,23 @@ class _Sender:
                 message = ("out", outbox, *message[2:])
             try:
                 data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
-            except Exception as e:  # noqa: BLE001 - a reply whose value does not pickle
-                data = pickle.dumps(("reply", message[1], False, EngineError(f"{e}")) if message[0] == "reply"
-                                    else ("failed", EngineError(f"{e}")))
+            except Exception as e:  # noqa: BLE001 - what does not pickle fails its caller, never leaves it waiting
+                data = pickle.dumps(_unpicklable(message, e))
             try:
                 self.conn.send_bytes(data)
             except OSError:
                 broken = True
+
+
+def _unpicklable(message, e: Exception):
+    """What goes instead of a message that does not pickle: the reply, or each request of a step's
+    outputs, fails with the error (the parent would otherwise wait for them for ever)."""
+    error = EngineError(f"{e}")
+    if message[0] == "reply":
+        return ("reply", message[1], False, error)
+    if message[0] == "out":
+        return ("out", {request_id: [StreamFailure(f"{e}")] for request_id in message[1]}, *message[2:])
+    return ("failed", error)
 
 
 def _as_tuple(item):
