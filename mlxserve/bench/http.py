@@ -456,7 +456,8 @@ def markdown(args, info, command, rows, modes, flags) -> str:
         + (f"; http-process adds `{args.process_args}`" if "http-process" in modes else "") + ". CPU µs/token: "
         "CPU time of the process doing the work (for http modes the server child with its descendants; MLX's "
         "compute threads included; for engine-process this process and its engine child) per output token; "
-        "main thread: its event loop (engine, http modes) or the bare loop itself; the load generator's: this process during the http runs (Linux for the server's). "
+        "main thread: its event loop (engine, http modes) or the bare loop itself; the load generator's: "
+        "this process during the http runs (Linux for the server's). "
         "tok/step and ms/step: output tokens and wall time per engine step (prefill steps count; the servers' "
         "steps read from /health): a batch kept full makes more tokens a step.\n",
         report.table(headers, table_rows), ""])
