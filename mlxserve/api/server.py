@@ -192,13 +192,9 @@ def mlx_backend() -> dict:
     """MLX's device and backend, read once (no arrays are touched)."""
     import mlx.core as mx
 
-    if mx.metal.is_available():
-        backend = "metal"
-    elif hasattr(mx, "cuda") and mx.cuda.is_available():
-        backend = "cuda"
-    else:
-        backend = "cpu"
-    return {"backend": backend, "device": str(mx.default_device())}
+    from mlxserve.models.dense import backend
+
+    return {"backend": backend(), "device": str(mx.default_device())}
 
 
 def serve(models, server_cfg, pool_cfg) -> int:

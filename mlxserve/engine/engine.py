@@ -353,12 +353,14 @@ class AsyncEngine:
         from mlxserve.engine.scheduler import Scheduler
         from mlxserve.engine.speculative import make_speculation
         from mlxserve.engine.warmup import make_warmup
+        from mlxserve.models.dense import dense_prefill
         from mlxserve.models.families import prefill_batch_size, unbatchable_layers
 
         cfg = self.config
         dequantize_kv = dequantized_attention(cfg.kv_attention)
         if cfg.kv_bits:
             check_kv_bits(self.loaded.model, cfg.kv_bits, dequantize=dequantize_kv)
+        dense_prefill(self.loaded, cfg.dense_from)
         self.prefix_cache = None
         if cfg.prefix_cache:
             from mlxserve.cache import BlockPool, PrefixCache, parse_size

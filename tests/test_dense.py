@@ -1,0 +1,109 @@
+"""Quantized layers that multiply densely over many tokens (--dense-from): same results, same tokens."""
+
+import functools
+
+import mlxserve  # noqa: F401 - preloads OpenBLAS before MLX is imported
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxserve.config import EngineConfig
+from mlxserve.engine.engine import AsyncEngine, EngineDeadError
+from mlxserve.models.dense import DenseAboveLinear, dense_from, resolve_dense_from
+from mlxserve.models.load import load
+from parity import check_hits_give_the_same_tokens, greedy, prompt_of, run
+
+
+@functools.lru_cache(maxsize=None)
+def quantized(shape="qwen3-tiny"):
+    return load(shape, load_format="dummy", quantize_bits=4, progress=False)
+
+
+def dequantized_copy(model):
+    """The reference: the same model with every quantized linear layer replaced by a plain Linear."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    swaps = []
+    for name, m in ref.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            w = mx.dequantize(m["weight"], m["scales"], m.get("biases"), group_size=m.group_size, bits=m.bits,
+                              mode=m.mode)
+            dense = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            dense.weight = w
+            if "bias" in m:
+                dense.bias = m["bias"]
+            swaps.append((name, dense))
+    ref.update_modules(_tree(swaps))
+    return ref
+
+
+def _tree(pairs):
+    from mlx.utils import tree_unflatten
+
+    return tree_unflatten(pairs)
+
+
+def test_dense_layers_compute_what_the_quantized_ones_do():
+    loaded = quantized()
+    model = loaded.model
+    reference = dequantized_copy(model)
+    tokens = mx.array([prompt_of(40, 1)])
+    try:
+        assert dense_from(model, 16) > 0
+        assert all(type(m) is not nn.QuantizedLinear for _, m in model.named_modules())
+        # A prefill of 40 tokens multiplies densely, a one-token step does not: both match the
+        # dense reference to float32 rounding.
+        cache, ref_cache = make_prompt_cache(model), make_prompt_cache(reference)
+        prefill = model(tokens, cache=cache)
+        assert mx.allclose(prefill, reference(tokens, cache=ref_cache), atol=1e-4).item()
+        step = model(tokens[:, :1], cache=cache)
+        assert mx.allclose(step, reference(tokens[:, :1], cache=ref_cache), atol=1e-4).item()
+    finally:
+        dense_from(model, 0)
+
+
+def test_a_dense_call_is_really_dense(monkeypatch):
+    layer = next(m for _, m in quantized().model.named_modules() if isinstance(m, nn.QuantizedLinear))
+    calls = []
+    real = mx.dequantize
+    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    dense_from(layer, 8)
+    try:
+        x = mx.random.normal((2, 4, layer.scales.shape[1] * layer.group_size))
+        mx.eval(layer(x[:, :3]))  # 6 tokens: quantized matmul
+        assert calls == []
+        mx.eval(layer(x))  # 8 tokens: dense
+        assert calls == [1]
+    finally:
+        dense_from(layer, 0)
+    assert isinstance(layer, DenseAboveLinear)
+
+
+def test_greedy_tokens_are_the_same_dense_cached_and_batched():
+    """The prefix cache's parity check on a 4-bit model whose prefills multiply densely: a hit
+    restores KV a dense prefill wrote and decodes on with the quantized matmul."""
+    loaded = quantized()
+    try:
+        check_hits_give_the_same_tokens(loaded, dict(block_size=16, dense_from=8))
+        off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, dense_from=0)).start()
+        try:
+            quantized_only = run(off, [prompt_of(75, 2)], greedy(12))
+        finally:
+            off.stop()
+        on = AsyncEngine(loaded, EngineConfig(prefix_cache=False, dense_from=8)).start()
+        try:
+            assert run(on, [prompt_of(75, 2)], greedy(12)) == quantized_only
+        finally:
+            on.stop()
+    finally:
+        dense_from(loaded.model, 0)
+
+
+def test_default_by_backend_and_bad_values():
+    assert resolve_dense_from(None) == 8  # the CPU backend the tests run on
+    assert resolve_dense_from(0) == 0 and resolve_dense_from(300) == 300
+    with pytest.raises(EngineDeadError, match="--dense-from must be 0"):
+        AsyncEngine(quantized(), EngineConfig(dense_from=-1)).start()
