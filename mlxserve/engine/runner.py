@@ -31,6 +31,7 @@ from mlxserve.engine.sampling import top_logprobs
 from mlxserve.engine.scoring import PromptScorer
 from mlxserve.engine.speculative import verify
 from mlxserve.models import llama4_batch
+from mlxserve.models.last_logits import head_owner, last_logits
 
 log = logging.getLogger("mlxserve.engine")
 constrained.install()  # batches mask their constrained rows together (engine/grammar.py)
@@ -108,6 +109,7 @@ class SoloDecoder:
     def __init__(self, model, seq: Sequence, chunk_size: int, cache, prefix_cache=None, prefilled=None,
                  prompt_inputs=None, spec=None, compiled: CompiledDecode | None = None):
         self.model = model
+        self.head_owner = head_owner(model)  # the last prefill pass projects its last position alone
         # One-token decode passes go through the compiled step where the model and cache allow it.
         use = compiled is not None and prompt_inputs is None and compilable(model, cache)
         self.compiled = compiled if use else None
@@ -152,7 +154,7 @@ class SoloDecoder:
             limit = len(self.seq.request.prompt_token_ids) + self.seq.max_tokens
             logits = self.compiled(tokens, self.cache, limit)
         else:
-            logits = self.model(tokens[None], cache=self.cache, **(inputs or {}))[:, -1, :]
+            logits = last_logits(self.model, tokens[None], self.cache, self.head_owner, **(inputs or {}))
         if self.penalties:
             self._extend_context(tokens)
             for processor in self.penalties:
