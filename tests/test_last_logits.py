@@ -1,5 +1,7 @@
 """A lone request's last prefill pass projects only its last position onto the vocabulary."""
 
+import threading
+
 import mlxserve  # noqa: F401 - preloads OpenBLAS before MLX is imported
 
 import mlx.core as mx
@@ -16,26 +18,41 @@ FAMILIES = [k for k in SHAPES if k.endswith("-tiny")]
 
 @pytest.mark.parametrize("shape", FAMILIES)
 def test_the_last_positions_logits_are_the_full_passes(tiny, shape, monkeypatch):
-    loaded = tiny(shape)
-    model = loaded.model
+    model = tiny(shape).model
     owner = head_owner(model)
     assert owner is not None  # every family served today is built as head(model(...))
-    seen = []
-    real = module._LastPosition.__call__
     tokens = mx.array([prompt_of(40, 3)])
     full = model(tokens, cache=make_prompt_cache(model))[:, -1, :]
-    monkeypatch.setattr(module._LastPosition, "__call__", lambda self, *a, **k: seen.append(
-        (out := real(self, *a, **k)).shape) or out)
+    cut = []
+    real = module._last_position
+    monkeypatch.setattr(module, "_last_position", lambda h: cut.append(h.shape) or real(h))
     cache = make_prompt_cache(model)
     last = last_logits(model, tokens, cache, owner)
-    assert seen and seen[-1][1] == 1  # the head got one position
+    assert cut and cut[-1][1] == 40  # the head got the last of the 40 positions alone
     assert last.shape == full.shape and mx.allclose(last, full, atol=1e-4).item()
     # The cache holds the whole pass: the next token continues from all 40.
     step = tokens[:, :1]
     assert mx.allclose(model(step, cache=cache)[:, -1, :],
                        model(mx.concatenate([tokens, step], axis=1), cache=make_prompt_cache(model))[:, -1, :],
                        atol=1e-4).item()
-    assert owner["model"] is not None and not isinstance(owner["model"], module._LastPosition)  # put back
+    assert len(cut) == 1  # calls outside last_logits see every position
+
+
+def test_another_threads_call_sees_every_position(tiny):
+    """Engines on other threads may share the model (tests do): the cut is this thread's alone."""
+    model = tiny("qwen3-tiny").model
+    owner = head_owner(model)
+    tokens = mx.array([prompt_of(12, 4)])
+    module._active.inner = owner["model"]  # as if this thread were inside last_logits
+    try:
+        out = []
+        other = threading.Thread(target=lambda: out.append(model(tokens, cache=make_prompt_cache(model)).shape))
+        other.start()
+        other.join()
+        assert out == [(1, 12, model.args.vocab_size)]
+        assert model(tokens, cache=make_prompt_cache(model)).shape[1] == 1  # this thread: cut
+    finally:
+        module._active.inner = None
 
 
 def test_an_engine_answers_the_same_with_it(tiny, monkeypatch):
@@ -47,7 +64,6 @@ def test_an_engine_answers_the_same_with_it(tiny, monkeypatch):
     engine = AsyncEngine(loaded, EngineConfig(prefix_cache=False, prefill_chunk_size=64)).start()
     try:
         sliced = [run(engine, [p], greedy(10))[0][0] for p in prompts]
-        monkeypatch.setattr(module, "head_owner", lambda model: None)
         monkeypatch.setattr("mlxserve.engine.runner.head_owner", lambda model: None)
         whole = [run(engine, [p], greedy(10))[0][0] for p in prompts]
     finally:
