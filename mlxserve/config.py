@@ -51,10 +51,11 @@ class EngineConfig:
     max_num_seqs: int = setting(
         32, "Most sequences decoded together in one batch."
     )
-    prefill_chunk_size: int = setting(
-        512,
-        "Prompt tokens prefilled per engine step; long prompts are split into "
-        "chunks of this size, with decode steps of running requests in between.",
+    prefill_chunk_size: int | None = setting(
+        None,
+        "Prompt tokens prefilled per engine step; long prompts are split into chunks of this size, "
+        "with decode steps of running requests in between. Default: 2048 on CUDA (an H200 prefilled "
+        "a 4B model's 1k-token prompt 1.7x faster than in chunks of 512), 512 elsewhere.",
     )
     prefill_batch_size: int = setting(
         8, "Most prompts prefilled together in one step."
@@ -216,6 +217,15 @@ class EngineConfig:
     ngram_size: int = setting(
         3, "--speculative ngram: tokens matched to find an earlier occurrence to copy from."
     )
+
+
+def with_backend_defaults(cfg: EngineConfig) -> EngineConfig:
+    """`cfg` with the defaults that depend on the backend (None) filled in for this one."""
+    from mlxserve import backend
+
+    if cfg.prefill_chunk_size is None:
+        cfg = dataclasses.replace(cfg, prefill_chunk_size=backend.default("prefill_chunk_size"))
+    return cfg
 
 
 @dataclass

@@ -192,9 +192,9 @@ def mlx_backend() -> dict:
     """MLX's device and backend, read once (no arrays are touched)."""
     import mlx.core as mx
 
-    from mlxserve.models.dense import backend
+    from mlxserve import backend
 
-    return {"backend": backend(), "device": str(mx.default_device())}
+    return {"backend": backend.name(), "device": str(mx.default_device())}
 
 
 def serve(models, server_cfg, pool_cfg) -> int:

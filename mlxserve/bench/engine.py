@@ -126,7 +126,7 @@ def engine_prefill(engine, prompt) -> float:
 
 
 def bench_model(spec: dict, args, concurrency: list[int]) -> dict:
-    from mlxserve.config import EngineConfig
+    from mlxserve.config import EngineConfig, with_backend_defaults
     from mlxserve.engine.engine import AsyncEngine
     from mlxserve.models.load import load
 
@@ -136,7 +136,7 @@ def bench_model(spec: dict, args, concurrency: list[int]) -> dict:
     vocab = loaded.vocab_size or 32000
     model = loaded.model
     max_c = max(concurrency)
-    chunk = EngineConfig().prefill_chunk_size
+    chunk = with_backend_defaults(EngineConfig()).prefill_chunk_size
     single_prompt = _prompts(1, args.prompt_len, vocab, 1)[0]
     result = {"label": spec["label"], "name": loaded.name}
 

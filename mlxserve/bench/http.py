@@ -96,11 +96,12 @@ def run_bare(loaded, engine_cfg, prompts: list[list[int]], c: int, n_out: int) -
     the next inserted as one finishes."""
     from mlx_lm.generate import BatchGenerator
 
+    from mlxserve.config import with_backend_defaults
     from mlxserve.models.families import prefill_batch_size
 
     gen = BatchGenerator(loaded.model, completion_batch_size=engine_cfg.max_num_seqs,
                          prefill_batch_size=prefill_batch_size(loaded.config, engine_cfg.prefill_batch_size),
-                         prefill_step_size=engine_cfg.prefill_chunk_size)
+                         prefill_step_size=with_backend_defaults(engine_cfg).prefill_chunk_size)
     todo = list(prompts)
     start = time.perf_counter()
     gen.insert([list(p) for p in todo[:c]], max_tokens=[n_out] * min(c, len(todo)))

@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import AsyncIterator
 
-from mlxserve.config import EngineConfig
+from mlxserve.config import EngineConfig, with_backend_defaults
 from mlxserve.engine.counters import engine_counters
 from mlxserve.engine.detokenize import IncrementalDetokenizer, StopStringMatcher, fast_decode
 from mlxserve.engine.guard import Watchdog, kv_budget_for
@@ -50,7 +50,7 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, loaded, config: EngineConfig | None = None):
         self.loaded = loaded
-        self.config = config or EngineConfig()
+        self.config = with_backend_defaults(config or EngineConfig())
         self.tokenizer = loaded.tokenizer
         self._decode = fast_decode(loaded.tokenizer)  # the streams' detokenizers share it
         self.max_model_len = self.config.max_model_len or loaded.context_length

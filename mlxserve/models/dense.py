@@ -16,13 +16,14 @@ import logging
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxserve import backend
+
 log = logging.getLogger("mlxserve.models")
 
-# Tokens a call needs before a quantized layer multiplies densely, by backend. CUDA: prefill chunks
-# (and batched prompts) reach it, decode batches and speculative verification stay below; from 512
-# tokens every layer shape measured was faster dense (1.0-2.1x), below some were slower. CPU: the
-# dense matmul wins from 8 tokens on.
-DEFAULT_DENSE_FROM = {"cuda": 512, "cpu": 8, "metal": 0}
+# The default threshold is backend.DEFAULTS["dense_from"]. CUDA: prefill chunks (and batched
+# prompts) reach 512, decode batches and speculative verification stay below; from 512 tokens every
+# layer shape measured was faster dense (1.0-2.1x), below some were slower. CPU: the dense matmul
+# wins from 8 tokens on.
 
 
 class DenseAboveLinear(nn.QuantizedLinear):
@@ -39,17 +40,10 @@ class DenseAboveLinear(nn.QuantizedLinear):
         return super().__call__(x)
 
 
-def backend() -> str:
-    """The backend MLX computes on by default: cpu, metal or cuda."""
-    if mx.default_device() == mx.cpu:
-        return "cpu"
-    return "metal" if mx.metal.is_available() else "cuda"
-
-
 def resolve_dense_from(setting: int | None) -> int:
     """The --dense-from setting, its default (None) resolved for this backend; 0 is off."""
     if setting is None:
-        return DEFAULT_DENSE_FROM[backend()]
+        return backend.default("dense_from")
     if setting < 0:
         raise ValueError(f"--dense-from must be 0 (off) or a number of tokens, not {setting}")
     return setting
