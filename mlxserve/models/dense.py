@@ -2,8 +2,8 @@
 
 MLX's quantized matmul reads the packed weight once per call: the right kernel for a few tokens
 (decoding). Over many tokens (prefill) its CUDA and CPU kernels run far below the same backend's
-dense matmul: on an H200 a 4B 4-bit model prefilled 1.5-1.9x faster with the weight dequantized
-first, on the CPU with OpenBLAS a 1024x1024 layer over 128 tokens ran 18x faster
+dense matmul: on an H200 a 4B 4-bit model prefilled 1.4-1.8x faster with the weight dequantized
+first, on the CPU with OpenBLAS a 0.6B 4-bit model 12x faster
 (benchmarks/dense-prefill-cuda-20261125-1650.md). So over at least `dense_from` tokens these layers
 dequantize their weight (a temporary the size of the dense weight, freed after the layer) and
 multiply densely; below, they are mlx's layer unchanged. Metal is not measured: off there.
