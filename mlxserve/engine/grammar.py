@@ -213,8 +213,7 @@ class ConstrainedGenerationBatch(_generate.GenerationBatch):
 
 
 def _row_view(c, idx: int) -> KVCache:
-    mx.eval(c.left_padding)
-    padding = c.left_padding.tolist()[idx]
+    padding = c.left_padding[idx].item()
     row = KVCache()
     row.keys = c.keys[idx:idx + 1, :, padding:c._idx]
     row.values = c.values[idx:idx + 1, :, padding:c._idx]
