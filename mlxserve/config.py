@@ -224,9 +224,8 @@ def with_backend_defaults(cfg: EngineConfig) -> EngineConfig:
     """`cfg` with the defaults that depend on the backend (None) filled in for this one."""
     from mlxserve import backend
 
-    if cfg.prefill_chunk_size is None:
-        cfg = dataclasses.replace(cfg, prefill_chunk_size=backend.default("prefill_chunk_size"))
-    return cfg
+    unset = {name: backend.default(name) for name in backend.DEFAULTS if getattr(cfg, name) is None}
+    return dataclasses.replace(cfg, **unset) if unset else cfg
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Quantized layers that multiply densely over many tokens (--dense-from): same results, same tokens."""
 
+import copy
 import functools
 
 import mlxserve  # noqa: F401 - preloads OpenBLAS before MLX is imported
@@ -7,11 +8,12 @@ import mlxserve  # noqa: F401 - preloads OpenBLAS before MLX is imported
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.config import EngineConfig
+from mlxserve.config import EngineConfig, with_backend_defaults
 from mlxserve.engine.engine import AsyncEngine, EngineDeadError
-from mlxserve.models.dense import DenseAboveLinear, dense_from, resolve_dense_from
+from mlxserve.models.dense import DenseAboveLinear, check_dense_from, dense_from
 from mlxserve.models.load import load
 from parity import check_hits_give_the_same_tokens, greedy, prompt_of, run
 
@@ -23,8 +25,6 @@ def quantized(shape="qwen3-tiny"):
 
 def dequantized_copy(model):
     """The reference: the same model with every quantized linear layer replaced by a plain Linear."""
-    import copy
-
     ref = copy.deepcopy(model)
     swaps = []
     for name, m in ref.named_modules():
@@ -36,14 +36,8 @@ def dequantized_copy(model):
             if "bias" in m:
                 dense.bias = m["bias"]
             swaps.append((name, dense))
-    ref.update_modules(_tree(swaps))
+    ref.update_modules(tree_unflatten(swaps))
     return ref
-
-
-def _tree(pairs):
-    from mlx.utils import tree_unflatten
-
-    return tree_unflatten(pairs)
 
 
 def test_dense_layers_compute_what_the_quantized_ones_do():
@@ -103,7 +97,7 @@ def test_greedy_tokens_are_the_same_dense_cached_and_batched():
 
 
 def test_default_by_backend_and_bad_values():
-    assert resolve_dense_from(None) == 8  # the CPU backend the tests run on
-    assert resolve_dense_from(0) == 0 and resolve_dense_from(300) == 300
+    assert with_backend_defaults(EngineConfig()).dense_from == 8  # the CPU backend the tests run on
+    assert check_dense_from(0) == 0 and check_dense_from(300) == 300
     with pytest.raises(EngineDeadError, match="--dense-from must be 0"):
         AsyncEngine(quantized(), EngineConfig(dense_from=-1)).start()

@@ -273,7 +273,7 @@ def decode_stall(bench: Bench, args) -> list[dict]:
 def run(args) -> int:
     from mlxserve.bench import report
     from mlxserve.bench.engine import _parse_model
-    from mlxserve.cache.blocks import default_block_size
+    from mlxserve import backend
     from mlxserve.models.load import load
 
     spec = _parse_model(args.model)
@@ -297,7 +297,7 @@ def run(args) -> int:
     off, on = turns["no cache"], turns["cached"]
     kv = report.kv_label(args.kv_bits)
     md = [report.header("Multimodal cache benchmark", info, "mlxserve bench multimodal " + " ".join(sys.argv[3:])),
-          f"Model: {spec['label']} ({loaded.name}); {kv}; block size {args.block_size or default_block_size()}; "
+          f"Model: {spec['label']} ({loaded.name}); {kv}; block size {args.block_size or backend.default('block_size')}; "
           f"{args.answer_len} output tokens per turn; synthetic {args.size}x{args.size} image "
           f"({on[0]['image_tokens']} image tokens). Times in ms, best of {args.repeats} runs, each "
           f"with a new picture of the same size.\n",

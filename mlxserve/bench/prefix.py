@@ -324,7 +324,7 @@ def trace_markdown(traces, args) -> list[str]:
 def run(args) -> int:
     from mlxserve.bench import report
     from mlxserve.bench.engine import _parse_model
-    from mlxserve.cache.blocks import default_block_size
+    from mlxserve import backend
     from mlxserve.models.load import load
 
     spec = _parse_model(args.model)
@@ -343,7 +343,7 @@ def run(args) -> int:
           f"Model: {spec['label']} ({loaded.name}), {report.kv_label(args.kv_bits)}. "
           f"Time to first token (TTFT) in ms, best of "
           f"{args.repeats}; each prompt is a shared prefix plus {args.suffix_len} new tokens; "
-          f"block size {args.block_size or default_block_size()}.\n"]
+          f"block size {args.block_size or backend.default('block_size')}.\n"]
     table = report.table(
         ["prefix tokens", "miss, cache off", "miss, cache on", "hit", "suffix alone", "floor (suffix + context)",
          "cached tokens", "miss/hit", "hit/suffix", "hit/floor"],

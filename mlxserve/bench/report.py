@@ -31,7 +31,7 @@ def commit() -> str:
 def machine() -> dict:
     import mlx.core as mx
 
-    from mlxserve import _blas
+    from mlxserve import _blas, backend
 
     try:
         mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -48,7 +48,7 @@ def machine() -> dict:
         "device": str(device),
     }
     if device.type == mx.gpu:
-        info["backend"] = "cuda" if mx.cuda.is_available() else "metal"
+        info["backend"] = backend.name()
         try:
             info["gpu"] = mx.device_info().get("device_name", "")
         except Exception:  # noqa: BLE001 - informational only

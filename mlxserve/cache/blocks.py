@@ -144,13 +144,3 @@ def overlap(tokens: np.ndarray, extra, rest: np.ndarray, rest_extra) -> int:
     differ = starting_before(extra) ^ starting_before(rest_extra)
     return min([n] + [max(0, k[1]) for k in differ])
 
-
-def default_block_size() -> int:
-    """Measured (benchmarks/prefix-*): on a GPU storing a block costs kernel launches
-    per layer, so small blocks slow misses (2k-token miss on an H100: 311 ms at 32,
-    222 ms at 256). On the CPU hit and miss cost the same from 32 to 256 within noise
-    (2k-token hit 592-646 ms, miss 21.4-22.6 s), so the finest granularity wins: more
-    of each conversation turn (a prompt plus its answer) falls in full blocks."""
-    import mlx.core as mx
-
-    return 256 if mx.default_device().type == mx.gpu else 32

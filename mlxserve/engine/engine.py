@@ -364,7 +364,6 @@ class AsyncEngine:
         self.prefix_cache = None
         if cfg.prefix_cache:
             from mlxserve.cache import BlockPool, PrefixCache, parse_size
-            from mlxserve.cache.blocks import default_block_size
 
             # Blocks hold KV as the engine computes it: quantized KV, and how attention
             # reads it (which changes later layers' KV), is another fingerprint.
@@ -376,7 +375,7 @@ class AsyncEngine:
 
                 disk = DiskTier(cfg.disk_cache_dir, parse_size(cfg.disk_cache_size))
             self.prefix_cache = PrefixCache(BlockPool(parse_size(cfg.cache_memory)),
-                                            cfg.block_size or default_block_size(),
+                                            cfg.block_size,
                                             fingerprint, model=self.loaded.model, disk=disk,
                                             checkpoint_interval=cfg.checkpoint_interval)
             log.info("%s", self.prefix_cache.describe())

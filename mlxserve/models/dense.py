@@ -16,11 +16,9 @@ import logging
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxserve import backend
-
 log = logging.getLogger("mlxserve.models")
 
-# The default threshold is backend.DEFAULTS["dense_from"]. CUDA: prefill chunks (and batched
+# The default threshold is mlxserve.backend.DEFAULTS["dense_from"]. CUDA: prefill chunks (and batched
 # prompts) reach 512, decode batches and speculative verification stay below; from 512 tokens every
 # layer shape measured was faster dense (1.0-2.1x), below some were slower. CPU: the dense matmul
 # wins from 8 tokens on.
@@ -40,13 +38,11 @@ class DenseAboveLinear(nn.QuantizedLinear):
         return super().__call__(x)
 
 
-def resolve_dense_from(setting: int | None) -> int:
-    """The --dense-from setting, its default (None) resolved for this backend; 0 is off."""
-    if setting is None:
-        return backend.default("dense_from")
-    if setting < 0:
-        raise ValueError(f"--dense-from must be 0 (off) or a number of tokens, not {setting}")
-    return setting
+def check_dense_from(tokens: int) -> int:
+    """The --dense-from setting (its default filled in by `config.with_backend_defaults`); 0 is off."""
+    if tokens < 0:
+        raise ValueError(f"--dense-from must be 0 (off) or a number of tokens, not {tokens}")
+    return tokens
 
 
 def dense_from(model: nn.Module, tokens: int) -> int:
@@ -64,13 +60,12 @@ def dense_from(model: nn.Module, tokens: int) -> int:
     return n
 
 
-def dense_prefill(loaded, setting: int | None) -> int:
-    """Apply the --dense-from setting to a loaded model and its draft model; returns the threshold."""
-    tokens = resolve_dense_from(setting)
+def dense_prefill(loaded, setting: int) -> None:
+    """Apply the --dense-from setting to a loaded model and its draft model."""
+    tokens = check_dense_from(setting)
     draft = getattr(loaded, "draft", None)
     # A VLM's `model` is its text half (models/vlm.py TextModel): the whole model holds the tower too.
     models = [loaded.vision.model if loaded.vision is not None else loaded.model]
     models += [draft.model] if draft is not None else []
     if sum(dense_from(m, tokens) for m in models) and tokens:
         log.info("quantized layers multiply densely from %d tokens a call (--dense-from)", tokens)
-    return tokens
