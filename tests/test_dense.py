@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import logging
 
 import mlxserve  # noqa: F401 - preloads OpenBLAS before MLX is imported
 
@@ -11,9 +12,11 @@ import pytest
 from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxserve import backend
 from mlxserve.config import EngineConfig, with_backend_defaults
+from mlxserve.engine import warmup
 from mlxserve.engine.engine import AsyncEngine, EngineDeadError
-from mlxserve.models.dense import DenseAboveLinear, check_dense_from, dense_from
+from mlxserve.models.dense import DenseAboveLinear, check_dense_from, dense_from, padded_layers, warm_row_counts
 from mlxserve.models.load import load
 from parity import check_hits_give_the_same_tokens, greedy, prompt_of, run
 
@@ -94,6 +97,56 @@ def test_greedy_tokens_are_the_same_dense_cached_and_batched():
             on.stop()
     finally:
         dense_from(loaded.model, 0)
+
+
+def test_padded_rows_give_the_same_answer_and_the_warmup_runs_each_count(monkeypatch, caplog):
+    """On CUDA a dense call's rows are padded to few counts (models/dense.py) and the warm-up runs
+    each of them first: the layer's output, the engine's greedy tokens and the log show it."""
+    loaded = quantized()
+    layer = next(m for _, m in loaded.model.named_modules() if isinstance(m, nn.QuantizedLinear))
+    x = mx.random.normal((2, 13, layer.scales.shape[1] * layer.group_size))
+    rows = []
+    real = mx.matmul
+    monkeypatch.setattr(mx, "matmul", lambda a, b: rows.append(a.shape[0] if a.ndim == 2 else None) or real(a, b))
+    try:
+        dense_from(layer, 8)
+        unpadded = layer(x)
+        dense_from(layer, 8, row_multiple=16)
+        padded = layer(x)
+        assert padded.shape == unpadded.shape == (2, 13, layer.weight.shape[0])
+        assert mx.allclose(padded, unpadded, atol=1e-5, rtol=1e-5).item()
+        assert rows == [None, 32]  # 26 rows padded to 32
+        # From --dense-from (8) to a chunk of 40 rows, padded: 16, 32 and 48 for each weight shape.
+        dense_from(loaded.model, 8, row_multiple=16)
+        rows.clear()
+        shapes = padded_layers(loaded.model)
+        assert len({m.weight.shape for m in shapes}) == len(shapes) >= 2
+        assert warm_row_counts(shapes, 40) == 3 * len(shapes) and sorted(set(rows)) == [16, 32, 48]
+    finally:
+        dense_from(loaded.model, 0)
+
+    monkeypatch.setitem(backend.ROW_MULTIPLE, "cpu", 16)
+    monkeypatch.setattr(warmup, "full_plan", lambda: True)
+    caplog.set_level(logging.INFO, logger="mlxserve.engine")
+    settings = dict(prefix_cache=False, prefill_chunk_size=40, max_num_seqs=2)
+    try:
+        off = AsyncEngine(loaded, EngineConfig(dense_from=0, warmup=0, **settings)).start()
+        try:
+            quantized_only = run(off, [prompt_of(75, 2)], greedy(12))
+        finally:
+            off.stop()
+        on = AsyncEngine(loaded, EngineConfig(dense_from=8, **settings)).start()
+        try:
+            assert on.warmed.wait(120)
+            rows.clear()
+            assert run(on, [prompt_of(75, 2)], greedy(12)) == quantized_only
+        finally:
+            on.stop()
+    finally:
+        dense_from(loaded.model, 0)
+    assert rows and all(r % 16 == 0 for r in rows if r)  # the request's dense calls: padded
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up done")]
+    assert len(done) == 1 and "dense row counts" in done[0]
 
 
 def test_default_by_backend_and_bad_values():

@@ -16,7 +16,9 @@ token) and decoding; prefix-cache restores of full and partial blocks with 24- a
 continuations; sampling with top-k/top-p/min-p, penalties and logprobs; a scored prompt;
 a lone request moved into a batch; and batches of each size class up to --max-num-seqs
 (8 and more decoding rows switch the quantized matmuls to the matrix kernel; attention
-graphs are per size).
+graphs are per size). cuBLASLt chooses a matmul's algorithm on a shape's first call, 1-8 ms per
+weight shape for each new row count: the dense prefill layers pad their rows to few counts
+(models/dense.py), and a first phase runs each of them.
 
 It runs on the MLX thread through a private runner and scheduler (the engine's own
 settings) with a private prefix cache, one phase at a time while the engine is idle: a
@@ -59,7 +61,7 @@ class Warmup:
     """The phases still to run, and what ran: `run_next()` runs one (on the MLX thread)."""
 
     def __init__(self, budget_s: float, make_scheduler, *, vocab_size: int, chunk: int, max_num_seqs: int,
-                 full: bool, max_len: int | None = None):
+                 full: bool, max_len: int | None = None, dense_rows=None):
         self.budget_s = budget_s
         self._make_scheduler = make_scheduler  # (chunk) -> a private Scheduler
         self._scheduler = None
@@ -76,6 +78,8 @@ class Warmup:
         self.skipped: list[str] = []
         self._history: list[int] = []  # the conversation of the prefix-cache phases
         phases = [("solo prefill+decode", self._solo)]
+        if full and dense_rows is not None:  # each padded row count of the dense prefill layers
+            phases.insert(0, ("dense row counts", dense_rows))
         if full:
             phases += [("prefix restore +24", lambda: self._turn(24)), ("prefix restore +9", lambda: self._turn(9))]
         phases.append(("sampling+logprobs", self._sampling))
@@ -225,5 +229,10 @@ def make_warmup(cfg, loaded, prefix_cache, max_num_seqs: int, max_len: int, make
                                 checkpoint_interval=prefix_cache.checkpoint_interval)
         return make_scheduler(cache, chunk)
 
+    from mlxserve.models.dense import padded_layers, served_models, warm_row_counts
+
+    padded = [layer for model in served_models(loaded) for layer in padded_layers(model)]
+    dense_rows = (lambda: warm_row_counts(padded, cfg.prefill_chunk_size)) if padded else None
     return Warmup(cfg.warmup, private_scheduler, vocab_size=loaded.vocab_size or 1000,
-                  chunk=cfg.prefill_chunk_size, max_num_seqs=max_num_seqs, full=full_plan(), max_len=max_len)
+                  chunk=cfg.prefill_chunk_size, max_num_seqs=max_num_seqs, full=full_plan(), max_len=max_len,
+                  dense_rows=dense_rows)

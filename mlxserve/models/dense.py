@@ -7,6 +7,11 @@ first, on the CPU with OpenBLAS a 0.6B 4-bit model 12x faster
 (benchmarks/dense-prefill-cuda-20261125-1650.md). So over at least `dense_from` tokens these layers
 dequantize their weight (a temporary the size of the dense weight, freed after the layer) and
 multiply densely; below, they are mlx's layer unchanged. Metal is not measured: off there.
+
+On CUDA a dense call's rows are padded up to a multiple of `row_multiple`: cuBLASLt chooses its
+algorithm per matmul shape, and a row count met for the first time cost 1-8 ms per weight shape
+(a fresh length's prefill of a 4B model 13-25 ms more than the same length again). With the rows
+padded there are few counts, and the warm-up (`warm_row_counts`) meets each of them.
 """
 
 from __future__ import annotations
@@ -28,12 +33,19 @@ class DenseAboveLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` that dequantizes its weight for calls over `dense_from` tokens or more."""
 
     dense_from = 0
+    row_multiple = 1  # a dense call's rows are padded up to a multiple of this
 
     def __call__(self, x):
         if self.dense_from and x.size >= self.dense_from * x.shape[-1]:
             w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
                               bits=self.bits, mode=self.mode)
-            y = mx.matmul(x, w.T)
+            rows = x.size // x.shape[-1]
+            pad = -rows % self.row_multiple
+            if pad:  # zero rows below the real ones: each output row is its input row's alone
+                y = mx.matmul(mx.pad(x.reshape(rows, -1), [(0, pad), (0, 0)]), w.T)[:rows]
+                y = y.reshape(*x.shape[:-1], -1)
+            else:
+                y = mx.matmul(x, w.T)
             return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
 
@@ -45,8 +57,9 @@ def check_dense_from(tokens: int) -> int:
     return tokens
 
 
-def dense_from(model: nn.Module, tokens: int) -> int:
-    """Make `model`'s quantized linear layers multiply densely from `tokens` tokens a call (0: never).
+def dense_from(model: nn.Module, tokens: int, row_multiple: int = 1) -> int:
+    """Make `model`'s quantized linear layers multiply densely from `tokens` tokens a call (0: never),
+    their rows padded up to a multiple of `row_multiple`.
 
     Returns how many layers changed. (The layers keep their weights: only their class changes, to
     a subclass whose call differs above the threshold.)
@@ -56,16 +69,44 @@ def dense_from(model: nn.Module, tokens: int) -> int:
         if type(m) in (nn.QuantizedLinear, DenseAboveLinear):
             m.__class__ = DenseAboveLinear
             m.dense_from = tokens
+            m.row_multiple = row_multiple
             n += 1
     return n
 
 
+def padded_layers(model: nn.Module) -> list[DenseAboveLinear]:
+    """One of `model`'s dense layers whose rows are padded for each weight shape."""
+    shapes = {}
+    for _, m in model.named_modules():
+        if isinstance(m, DenseAboveLinear) and m.dense_from and m.row_multiple > 1:
+            shapes.setdefault((m.weight.shape, m.scales.shape, m.bits, m.group_size, m.mode, "bias" in m), m)
+    return list(shapes.values())
+
+
+def warm_row_counts(layers: list[DenseAboveLinear], up_to: int) -> int:
+    """Run one dense call of each padded row count up to `up_to` rows (a prefill chunk) on each
+    layer, so that no prefill meets a count first. Returns how many calls ran."""
+    calls = 0
+    for m in layers:
+        step = m.row_multiple
+        for rows in range(-(-m.dense_from // step) * step, up_to + step, step):
+            mx.eval(m(mx.zeros((rows, m.scales.shape[-1] * m.group_size), m.scales.dtype)))
+            calls += 1
+    return calls
+
+
+def served_models(loaded) -> list[nn.Module]:
+    """A loaded model's modules that hold its layers: the model and its draft model. (A VLM's
+    `model` is its text half, models/vlm.py TextModel: the whole model holds the tower too.)"""
+    draft = getattr(loaded, "draft", None)
+    models = [loaded.vision.model if loaded.vision is not None else loaded.model]
+    return models + ([draft.model] if draft is not None else [])
+
+
 def dense_prefill(loaded, setting: int) -> None:
     """Apply the --dense-from setting to a loaded model and its draft model."""
+    from mlxserve import backend
+
     tokens = check_dense_from(setting)
-    draft = getattr(loaded, "draft", None)
-    # A VLM's `model` is its text half (models/vlm.py TextModel): the whole model holds the tower too.
-    models = [loaded.vision.model if loaded.vision is not None else loaded.model]
-    models += [draft.model] if draft is not None else []
-    if sum(dense_from(m, tokens) for m in models) and tokens:
+    if sum(dense_from(m, tokens, backend.dense_row_multiple()) for m in served_models(loaded)) and tokens:
         log.info("quantized layers multiply densely from %d tokens a call (--dense-from)", tokens)
