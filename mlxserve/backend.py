@@ -20,10 +20,10 @@ DEFAULTS = {
 }
 
 
-# Rows of a dense prefill matmul are padded up to a multiple of this (models/dense.py). CUDA:
-# cuBLASLt picks an algorithm per shape, a new row count's first call costing 1-8 ms per weight
-# shape; padded to 64 rows (at most 12% more work at 512 tokens, 3% at 2048) the warm-up covers
-# every count. CPU (OpenBLAS): no first-call cost. Metal: dense layers are off.
+# Rows of a dense prefill matmul are padded up to a multiple of this (models/dense.py). CUDA: a
+# new row count's first call cost 1-8 ms per weight shape; padded to 64 rows (at most 12% more
+# work at 512 tokens, 3% at 2048) the warm-up runs every count (benchmarks/first-length-cuda-*).
+# CPU (OpenBLAS): no first-call cost measured. Metal: dense layers are off.
 ROW_MULTIPLE = {"cuda": 64, "cpu": 1, "metal": 1}
 
 

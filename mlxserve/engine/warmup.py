@@ -16,9 +16,9 @@ token) and decoding; prefix-cache restores of full and partial blocks with 24- a
 continuations; sampling with top-k/top-p/min-p, penalties and logprobs; a scored prompt;
 a lone request moved into a batch; and batches of each size class up to --max-num-seqs
 (8 and more decoding rows switch the quantized matmuls to the matrix kernel; attention
-graphs are per size). cuBLASLt chooses a matmul's algorithm on a shape's first call, 1-8 ms per
-weight shape for each new row count: the dense prefill layers pad their rows to few counts
-(models/dense.py), and a first phase runs each of them.
+graphs are per size). The dense prefill layers' matmuls cost 1-8 ms more per weight shape at a
+row count met for the first time: they pad their rows to few counts (models/dense.py), and a
+first phase runs each of them.
 
 It runs on the MLX thread through a private runner and scheduler (the engine's own
 settings) with a private prefix cache, one phase at a time while the engine is idle: a

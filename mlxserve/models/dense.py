@@ -8,10 +8,11 @@ first, on the CPU with OpenBLAS a 0.6B 4-bit model 12x faster
 dequantize their weight (a temporary the size of the dense weight, freed after the layer) and
 multiply densely; below, they are mlx's layer unchanged. Metal is not measured: off there.
 
-On CUDA a dense call's rows are padded up to a multiple of `row_multiple`: cuBLASLt chooses its
-algorithm per matmul shape, and a row count met for the first time cost 1-8 ms per weight shape
-(a fresh length's prefill of a 4B model 13-25 ms more than the same length again). With the rows
-padded there are few counts, and the warm-up (`warm_row_counts`) meets each of them.
+On CUDA a dense call's rows are padded up to a multiple of `row_multiple`: a row count met for
+the first time cost 1-8 ms per weight shape in the dense matmul (cuBLASLt choosing its algorithm;
+a 4B model's prefill at a new length 12-28 ms more than the same length again). With the rows
+padded there are few counts and the warm-up (`warm_row_counts`) runs each of them: passes at new
+lengths 8% faster, repeats 4-7% slower (benchmarks/first-length-cuda-20261125-1944.md).
 """
 
 from __future__ import annotations
