@@ -28,20 +28,6 @@ class CompletionOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
-def render_chat(tokenizer, messages: list[dict], *, tools=None, chat_template_kwargs=None,
-                add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation rendered with the model's own chat template."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("this model has no chat template; use a plain completion prompt")
-    kwargs = dict(chat_template_kwargs or {})
-    ids = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
-    )
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 async def collect(stream, prompt_tokens: int) -> CompletionOutput:
     out = CompletionOutput("", [], None, prompt_tokens)
     texts = []

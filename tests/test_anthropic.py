@@ -8,7 +8,7 @@ import pytest
 
 from mlxserve.api.anthropic_routes import stop_reason
 from mlxserve.api.generate import Choice
-from mlxserve.llm import render_chat
+from mlxserve.models.chat import render_chat
 
 MODEL = "qwen3-tiny"
 MESSAGES = [{"role": "user", "content": "Say something."}]

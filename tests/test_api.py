@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import mlxserve
 from mlxserve.bench.local import ChildServer, checkout_env, free_port
-from mlxserve.llm import render_chat
+from mlxserve.models.chat import render_chat
 
 MODEL = "qwen3-tiny"
 MESSAGES = [{"role": "user", "content": "Say something."}]

@@ -27,7 +27,7 @@ from mlxserve.api.reasoning import detect, split
 from mlxserve.api.tool_calls import tool_syntax
 from mlxserve.engine.detokenize import IncrementalDetokenizer
 from mlxserve.engine.request import RequestOutput
-from mlxserve.llm import render_chat
+from mlxserve.models.chat import render_chat
 from tests.conftest import LiveServer
 
 THINK, END = 151667, 151668

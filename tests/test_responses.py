@@ -20,7 +20,7 @@ from mlxserve.api.responses_routes import Head, Output, response_events
 from mlxserve.api.responses_schema import ResponsesRequest
 from mlxserve.api.tool_calls import ToolCallStream, tool_syntax
 from mlxserve.engine.request import RequestOutput
-from mlxserve.llm import render_chat
+from mlxserve.models.chat import render_chat
 
 MODEL = "qwen3-tiny"
 # Long enough that a first turn fills whole prefix-cache blocks (32 tokens on the CPU).

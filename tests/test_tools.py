@@ -19,7 +19,7 @@ from mlxserve.api.generate import Choice
 from mlxserve.api.openai_routes import ToolCalls, chat_events
 from mlxserve.api.tool_calls import ToolCall, ToolCallStream, split_text, tool_syntax
 from mlxserve.engine.request import RequestOutput
-from mlxserve.llm import render_chat
+from mlxserve.models.chat import render_chat
 
 MODEL = "qwen3-tiny"
 TOOLS = [{"type": "function", "function": {

@@ -11,7 +11,7 @@ import re
 from functools import lru_cache
 
 from mlxserve.api.errors import bad_request
-from mlxserve.llm import render_chat
+from mlxserve.models.chat import render_chat
 
 # logprob for a token that cannot be sampled at all; JSON has no -Infinity, and
 # OpenAI reports such tokens as -9999.0 too.

@@ -210,7 +210,7 @@ def agent_trace(loaded, args, **settings) -> dict:
     new (uncached) tokens alone, and with the floor: those plus attending to the rest.
     """
     from mlxserve.engine.request import Request, SamplingParams
-    from mlxserve.llm import render_chat
+    from mlxserve.models.chat import render_chat
 
     tok = loaded.tokenizer
     rule = ("You are a coding agent working in a large repository. Think step by step, call tools "

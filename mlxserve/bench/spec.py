@@ -139,7 +139,7 @@ def bench(args) -> dict:
     from mlxserve.config import EngineConfig
     from mlxserve.engine.engine import AsyncEngine
     from mlxserve.engine.request import SamplingParams
-    from mlxserve.llm import render_chat
+    from mlxserve.models.chat import render_chat
 
     spec = _parse_model(args.model)
     print(f"== {spec['label']}: loading", file=sys.stderr, flush=True)

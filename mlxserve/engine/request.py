@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxserve.multimodal.prompt import PromptImage
+
 MAX_TOP_LOGPROBS = 20
 # Stop strings are matched on the event loop against every token's text, at a cost that grows
 # with their number and length (text that may start one is held back up to the longest): these
@@ -123,22 +125,6 @@ _request_ids = itertools.count()
 
 def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{next(_request_ids)}-{time.time_ns() % 10**9}"
-
-
-@dataclass
-class PromptImage:
-    """An image in a tokenized prompt: which tokens it fills and with what.
-
-    `start` is the index of its first placeholder token in the prompt;
-    `content_hash` names its decoded pixels (the vision cache's key, and an
-    extra key of the prefix blocks it falls in); `pixels` is what the
-    model's vision tower takes (an `ImageInput`: numpy, no MLX).
-    """
-
-    content_hash: str
-    start: int
-    num_tokens: int
-    pixels: Any
 
 
 @dataclass

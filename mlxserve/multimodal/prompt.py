@@ -12,9 +12,26 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
-from mlxserve.engine.request import PromptImage
+from mlxserve.models.chat import render_chat
 from mlxserve.multimodal.media import MediaError, MediaLimits, load_image, load_video, pixel_hash
+
+
+@dataclass
+class PromptImage:
+    """An image in a tokenized prompt: which tokens it fills and with what.
+
+    `start` is the index of its first placeholder token in the prompt;
+    `content_hash` names its decoded pixels (the vision cache's key, and an
+    extra key of the prefix blocks it falls in); `pixels` is what the
+    model's vision tower takes (an `ImageInput`: numpy, no MLX).
+    """
+
+    content_hash: str
+    start: int
+    num_tokens: int
+    pixels: Any
 
 
 @dataclass
@@ -104,7 +121,6 @@ def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None,
     list of parts, {"type": "text", "text": ...}, {"type": "image_url",
     "image_url": {"url": ...}} or {"type": "image", "image": <PIL image>}.
     """
-    from mlxserve.llm import render_chat
     from mlxserve.multimodal.media import LoadedImage
 
     vision = loaded.vision
