@@ -1,10 +1,11 @@
 """mlxserve: an inference server for LLMs and VLMs on MLX."""
 
 from mlxserve._blas import preload_openblas
-from mlxserve._cuda import prefer_mlx_attention
+from mlxserve._cuda import prefer_mlx_attention, smaller_cuda_graphs
 
 preload_openblas()  # must precede the first `import mlx`
 prefer_mlx_attention()
+smaller_cuda_graphs()
 
 __version__ = "0.1.0"
 

@@ -17,3 +17,24 @@ def prefer_mlx_attention() -> None:
     brings cuDNN back. MLX reads the variable at the first attention call.
     """
     os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
+
+
+def smaller_cuda_graphs() -> None:
+    """Cut MLX-CUDA's graphs after 25 kernels, whatever their bytes (MLX: 100 kernels or 1 GB
+    of inputs on an H100/H200).
+
+    MLX-CUDA records an evaluation's kernels into CUDA graphs and keeps one executable graph per
+    sequence of node kinds, updated in place when the next evaluation matches; one that does not
+    is instantiated anew. A prompt of a length not met before paid 10-100 ms more than the same
+    length again (4B 4-bit, 700-2,000 tokens: 758 ms over eight new lengths against 542 for
+    repeats), as if without graphs (563 vs 540). With graphs of 25 kernels and no byte limit, the
+    cut points no longer move with the activations' size and a short graph recurs across layers:
+    572 vs 526, decoding unchanged within the run's spread (.gpu-prof/graphsplit.py,
+    benchmarks/first-length-cuda-20261125-2210). Only on CUDA: Metal reads the same variables
+    for its command buffers. Set either variable to keep MLX's choice.
+    """
+    import mlx.core as mx
+
+    if mx.cuda.is_available() and not {"MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER"} & os.environ.keys():
+        os.environ["MLX_MAX_OPS_PER_BUFFER"] = "25"
+        os.environ["MLX_MAX_MB_PER_BUFFER"] = "1000000"
