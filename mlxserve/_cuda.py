@@ -25,13 +25,15 @@ def smaller_cuda_graphs() -> None:
 
     MLX-CUDA records an evaluation's kernels into CUDA graphs and keeps one executable graph per
     sequence of node kinds, updated in place when the next evaluation matches; one that does not
-    is instantiated anew. A prompt of a length not met before paid 10-100 ms more than the same
-    length again (4B 4-bit, 700-2,000 tokens: 758 ms over eight new lengths against 542 for
-    repeats), as if without graphs (563 vs 540). With graphs of 25 kernels and no byte limit, the
-    cut points no longer move with the activations' size and a short graph recurs across layers:
-    572 vs 526, decoding unchanged within the run's spread (.gpu-prof/graphsplit.py,
-    benchmarks/first-length-cuda-20261125-2210). Only on CUDA: Metal reads the same variables
-    for its command buffers. Set either variable to keep MLX's choice.
+    is instantiated anew. Its cut points depend on the inputs' bytes, activations included, so
+    they move with a prompt's length: a prefill at a length not met before paid 8-135 ms more than
+    the same length again (4B 4-bit, eight lengths of 700-2,000 tokens: 758 ms against 542; graphs
+    off: 563 against 540). No byte limit alone did not help; graphs of 25 kernels and no byte limit
+    did: 572 against 526, and a fresh
+    server's first turn 102 ms instead of 128. Lone decoding measured 5-6% slower in one pair of
+    runs, inside the spread of either (benchmarks/graph-size-cuda-20261125-2105). Only on CUDA:
+    Metal reads the same variables for its command buffers. Set either variable and mlxserve sets
+    neither.
     """
     import mlx.core as mx
 

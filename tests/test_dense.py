@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import os
 import logging
 
 import mlxserve  # noqa: F401 - preloads OpenBLAS before MLX is imported
@@ -154,3 +155,23 @@ def test_default_by_backend_and_bad_values():
     assert check_dense_from(0) == 0 and check_dense_from(300) == 300
     with pytest.raises(EngineDeadError, match="--dense-from must be 0"):
         AsyncEngine(quantized(), EngineConfig(dense_from=-1)).start()
+
+
+@pytest.mark.parametrize("cuda, users", [(True, {}), (True, {"MLX_MAX_OPS_PER_BUFFER": "100"}), (False, {})])
+def test_cuda_graph_limits_only_on_cuda_and_never_over_the_users(monkeypatch, cuda, users):
+    """On CUDA mlxserve cuts MLX's graphs smaller (a new prompt length reuses them); Metal reads the
+    same variables for its command buffers, and a user's own setting wins."""
+    from mlxserve._cuda import smaller_cuda_graphs
+
+    for name in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER"):
+        monkeypatch.setenv(name, "")  # records the variable's state, restored after the test
+        monkeypatch.delenv(name)
+    for name, value in users.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
+    smaller_cuda_graphs()
+    got = {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")}
+    if cuda and not users:
+        assert got == {"MLX_MAX_OPS_PER_BUFFER": "25", "MLX_MAX_MB_PER_BUFFER": "1000000"}
+    else:
+        assert got == {"MLX_MAX_OPS_PER_BUFFER": users.get("MLX_MAX_OPS_PER_BUFFER"), "MLX_MAX_MB_PER_BUFFER": None}
