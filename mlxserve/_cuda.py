@@ -2,6 +2,20 @@
 
 import os
 
+# What mlxserve set in this process's environment (not the user): children that are not
+# mlxserve (the peer servers `mlxserve bench serve` starts) get MLX's own defaults back.
+SET_HERE: dict[str, str] = {}
+
+
+def _set_default(name: str, value: str) -> None:
+    if name not in os.environ:
+        os.environ[name] = SET_HERE[name] = value
+
+
+def without_our_defaults(env: dict) -> dict:
+    """`env` less the variables mlxserve set (unchanged since)."""
+    return {k: v for k, v in env.items() if SET_HERE.get(k) != v}
+
 
 def prefer_mlx_attention() -> None:
     """Run attention with MLX's own CUDA kernels rather than cuDNN's.
@@ -16,7 +30,7 @@ def prefer_mlx_attention() -> None:
     8k tokens prefill in 1,055 ms instead of 752. MLX_CUDA_USE_CUDNN_SDPA=1
     brings cuDNN back. MLX reads the variable at the first attention call.
     """
-    os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
+    _set_default("MLX_CUDA_USE_CUDNN_SDPA", "0")
 
 
 def smaller_cuda_graphs() -> None:
@@ -24,19 +38,18 @@ def smaller_cuda_graphs() -> None:
     of inputs on an H100/H200).
 
     MLX-CUDA records an evaluation's kernels into CUDA graphs and keeps one executable graph per
-    sequence of node kinds, updated in place when the next evaluation matches; one that does not
-    is instantiated anew. Its cut points depend on the inputs' bytes, activations included, so
-    they move with a prompt's length: a prefill at a length not met before paid 8-135 ms more than
-    the same length again (4B 4-bit, eight lengths of 700-2,000 tokens: 758 ms against 542; graphs
-    off: 563 against 540). No byte limit alone did not help; graphs of 25 kernels and no byte limit
-    did: 572 against 526, and a fresh
-    server's first turn 102 ms instead of 128. Lone decoding measured 5-6% slower in one pair of
-    runs, inside the spread of either (benchmarks/graph-size-cuda-20261125-2105). Only on CUDA:
-    Metal reads the same variables for its command buffers. Set either variable and mlxserve sets
-    neither.
+    sequence of node kinds, updated in place when a later graph matches it and instantiated anew
+    when none does. A prefill at a length not met before paid 8-135 ms more than the same length
+    again (4B 4-bit, eight lengths of 700-2,000 tokens: 758 ms against 542; graphs off: 563
+    against 540). Without the byte limit alone, no better; with graphs of 25 kernels and no byte
+    limit, 572 against 526 (a graph that short, about a layer's part, most likely recurs at any
+    length), and a fresh server's first turn took 102 ms instead of 128. Lone decoding measured
+    5-6% slower in one pair of runs, inside the spread of either
+    (benchmarks/graph-size-cuda-20261125-2105). Only on CUDA: Metal reads the same variables for
+    its command buffers. Set either variable and mlxserve sets neither.
     """
     import mlx.core as mx
 
     if mx.cuda.is_available() and not {"MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER"} & os.environ.keys():
-        os.environ["MLX_MAX_OPS_PER_BUFFER"] = "25"
-        os.environ["MLX_MAX_MB_PER_BUFFER"] = "1000000"
+        _set_default("MLX_MAX_OPS_PER_BUFFER", "25")
+        _set_default("MLX_MAX_MB_PER_BUFFER", "1000000")

@@ -2,8 +2,8 @@
 
 import copy
 import functools
-import os
 import logging
+import os
 
 import mlxserve  # noqa: F401 - preloads OpenBLAS before MLX is imported
 
@@ -158,20 +158,26 @@ def test_default_by_backend_and_bad_values():
 
 
 @pytest.mark.parametrize("cuda, users", [(True, {}), (True, {"MLX_MAX_OPS_PER_BUFFER": "100"}), (False, {})])
-def test_cuda_graph_limits_only_on_cuda_and_never_over_the_users(monkeypatch, cuda, users):
+def test_cuda_graph_limits_only_on_cuda_never_over_the_users_nor_for_peers(monkeypatch, cuda, users):
     """On CUDA mlxserve cuts MLX's graphs smaller (a new prompt length reuses them); Metal reads the
-    same variables for its command buffers, and a user's own setting wins."""
-    from mlxserve._cuda import smaller_cuda_graphs
+    same variables for its command buffers, a user's own setting wins, and the peer servers that
+    `bench serve` starts run on MLX's defaults, not on mlxserve's."""
+    from mlxserve import _cuda
+    from mlxserve.bench.peers import PEERS, child_env
 
-    for name in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER"):
+    names = ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")
+    for name in names:
         monkeypatch.setenv(name, "")  # records the variable's state, restored after the test
         monkeypatch.delenv(name)
     for name, value in users.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(_cuda, "SET_HERE", {})
     monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
-    smaller_cuda_graphs()
-    got = {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")}
+    _cuda.smaller_cuda_graphs()
+    got = {k: os.environ.get(k) for k in names}
     if cuda and not users:
         assert got == {"MLX_MAX_OPS_PER_BUFFER": "25", "MLX_MAX_MB_PER_BUFFER": "1000000"}
     else:
         assert got == {"MLX_MAX_OPS_PER_BUFFER": users.get("MLX_MAX_OPS_PER_BUFFER"), "MLX_MAX_MB_PER_BUFFER": None}
+    peer = child_env(PEERS["mlx_lm"], None, "/tmp")
+    assert {k: peer.get(k) for k in names} == {k: users.get(k) for k in names}

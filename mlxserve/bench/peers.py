@@ -58,7 +58,9 @@ def parse_pairs(values: list[str] | None, what: str) -> dict[str, str]:
 
 
 def child_env(peer: Peer, path: str | None, home: str) -> dict:
-    env = dict(os.environ)
+    from mlxserve._cuda import without_our_defaults
+
+    env = without_our_defaults(os.environ)  # a peer runs on MLX's own settings, not mlxserve's
     if path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.expanduser(path), env.get("PYTHONPATH")) if p)
     if peer.name == "vllm-mlx":
