@@ -23,7 +23,8 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from mlxserve.cache.layers import KV, Nested, Payload, QuantizedKV, State, _quantized_rows, _row
+from mlxserve.cache.payload import KV, Nested, Payload, QuantizedKV, State
+from mlxserve.cache.stacks import quantized_rows, row
 
 # Bump when the layout changes. Files of an older format are misses (and are deleted).
 FORMAT = "mlxserve-block-3"
@@ -219,10 +220,10 @@ def decode_payload(arrays: dict, meta: dict) -> Payload:
         if spec is not None and spec.get("stacked"):
             j = stack_layers.index(i)
             if spec["bits"] is None:
-                payload.append(KV(_row(stacks[0], j), _row(stacks[0], n + j)))
+                payload.append(KV(row(stacks[0], j), row(stacks[0], n + j)))
             else:
                 like = QuantizedKV((), (), spec["group_size"], spec["bits"])
-                payload.append(_quantized_rows(stacks, n, j, like))
+                payload.append(quantized_rows(stacks, n, j, like))
         else:
             payload.append(_decode_entry(spec, str(i), arrays))
     payload.stacks, payload.stack_layers = stacks, stack_layers

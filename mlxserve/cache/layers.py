@@ -27,8 +27,6 @@ runner sets, never part of a block.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -44,44 +42,10 @@ from mlx_lm.models.cache import (
 
 from mlxserve.cache import chunked
 from mlxserve.cache.chunked import BatchChunkedKVCache
+from mlxserve.cache.payload import KV, Nested, Payload, QuantizedKV, State, payload_arrays, payload_nbytes
 from mlxserve.cache.quantized import BatchQuantizedKVCache
 from mlxserve.cache.quantized import QuantizedKVCache as BatchableQuantizedKVCache
-
-
-class KV(NamedTuple):
-    keys: mx.array
-    values: mx.array
-
-
-class QuantizedKV(NamedTuple):
-    keys: tuple
-    values: tuple
-    group_size: int
-    bits: int
-
-
-class State(NamedTuple):
-    arrays: tuple
-
-
-class Nested(NamedTuple):
-    parts: tuple
-
-
-class Payload(list):
-    """A block's entries, one per layer.
-
-    When the block's full-attention layers share a shape, their arrays live
-    in `stacks` and their entries are views of them: a restore then
-    concatenates a few arrays per block instead of a few per block and layer
-    (on a GPU each is a kernel launch). Plain KV has one stack, all keys then
-    all values, (2 * len(stack_layers), 1, kv_heads, block_size, head_dim);
-    quantized KV two: the packed keys then values, and the keys' scales,
-    keys' biases, values' scales, values' biases.
-    """
-
-    stacks: tuple = ()
-    stack_layers: tuple = ()
+from mlxserve.cache.stacks import copy, cut, stacked
 
 
 class PositionState(ArraysCache):
@@ -246,31 +210,6 @@ def needed_blocks(spec, num_tokens: int, block_size: int, state_end: int | None 
     raise ValueError(f"unsupported layer spec {spec!r}")
 
 
-# ---- payload bookkeeping ----
-
-
-def _entry_arrays(e) -> list:
-    if e is None:
-        return []
-    if isinstance(e, KV):
-        return [e.keys, e.values]
-    if isinstance(e, QuantizedKV):
-        return [*e.keys, *e.values]
-    if isinstance(e, State):
-        return [a for a in e.arrays if a is not None]
-    if isinstance(e, Nested):
-        return [a for p in e.parts for a in _entry_arrays(p)]
-    raise TypeError(f"not a payload entry: {type(e).__name__}")
-
-
-def payload_arrays(payload) -> list:
-    return [a for e in payload for a in _entry_arrays(e)]
-
-
-def payload_nbytes(payload) -> int:
-    return sum(a.nbytes for a in payload_arrays(payload))
-
-
 def _merge_entry(old, new):
     if old is None:
         return new
@@ -297,23 +236,19 @@ def fill_missing(old, new):
     return merged
 
 
-def _copy(x: mx.array) -> mx.array:
-    # A slice is a view that keeps the whole (step-allocated, much larger)
-    # cache buffer alive; `contiguous` copies unless the buffer is already
-    # about the slice's size.
-    return mx.contiguous(x)
+# ---- blocks' KV ----
 
 
 def _take(x: mx.array, rows: slice, runs, view: bool = False) -> mx.array:
     parts = [x[rows, :, a:b, :] for a, b in runs]
     if len(parts) == 1:
-        return parts[0] if view else _copy(parts[0])
+        return parts[0] if view else copy(parts[0])
     return mx.concatenate(parts, axis=2)
 
 
 def _take_kv(c, rows: slice, runs):
     """The KV (QuantizedKV for a quantized cache) of token `runs` in `rows` of an attention cache."""
-    view = _stackable(c)  # copied by _stacked
+    view = _stackable(c)  # copied by stacks.stacked
     if isinstance(c, (QuantizedKVCache, BatchQuantizedKVCache)):  # keys, values: (packed, scales, biases)
         return QuantizedKV(tuple(_take(a, rows, runs, view) for a in c.keys),
                            tuple(_take(a, rows, runs, view) for a in c.values), c.group_size,
@@ -325,62 +260,8 @@ def _stackable(c) -> bool:
     return type(c) in (KVCache, BatchKVCache, QuantizedKVCache, BatchableQuantizedKVCache, BatchQuantizedKVCache)
 
 
-def _layout(e) -> tuple:
-    """What must agree for entries to share stacks: kind, shapes, dtypes, quantization."""
-    if isinstance(e, KV):
-        return KV, e.keys.shape, e.values.shape, e.keys.dtype
-    return (QuantizedKV, e.group_size, e.bits) + tuple((a.shape, a.dtype) for a in (*e.keys, *e.values))
-
-
-def _keys_like_values(e) -> bool:
-    """Keys and values of one shape: they can share a stack."""
-    if isinstance(e, KV):
-        return e.keys.shape == e.values.shape
-    return all(k.shape == v.shape for k, v in zip(e.keys, e.values))
-
-
-def _copied(e):
-    if isinstance(e, KV):
-        return KV(_copy(e.keys), _copy(e.values))
-    return QuantizedKV(tuple(map(_copy, e.keys)), tuple(map(_copy, e.values)), e.group_size, e.bits)
-
-
 def _stacked(entries: list, cache_layers) -> Payload:
-    """A Payload whose full-attention KV (views into the cache, from `view=True`) is stacked copies."""
-    payload = Payload(entries)
-    full = [i for i, c in enumerate(cache_layers) if _stackable(c) and isinstance(entries[i], (KV, QuantizedKV))]
-    if len(full) < 2 or len({_layout(entries[i]) for i in full}) != 1 or not _keys_like_values(entries[full[0]]):
-        for i in full:
-            payload[i] = _copied(entries[i])
-        return payload
-    n = len(full)
-    if isinstance(entries[full[0]], KV):
-        stacks = (mx.stack([entries[i].keys for i in full] + [entries[i].values for i in full]),)
-        for j, i in enumerate(full):
-            payload[i] = KV(_row(stacks[0], j), _row(stacks[0], n + j))
-    else:
-        packed = mx.stack([entries[i].keys[0] for i in full] + [entries[i].values[0] for i in full])
-        meta = mx.stack([entries[i].keys[1] for i in full] + [entries[i].keys[2] for i in full]
-                        + [entries[i].values[1] for i in full] + [entries[i].values[2] for i in full])
-        stacks = (packed, meta)
-        for j, i in enumerate(full):
-            payload[i] = _quantized_rows(stacks, n, j, entries[i])
-    payload.stacks, payload.stack_layers = stacks, tuple(full)
-    return payload
-
-
-def _row(stack, r):
-    # A view: integer indexing (`stack[r]`) is a gather in MLX, a copy that
-    # would hold every block's KV twice behind the pool's back.
-    return stack[r:r + 1].squeeze(0)
-
-
-def _quantized_rows(stacks, n, j, like, row=_row) -> QuantizedKV:
-    """Layer j (of n stacked) of quantized stacks, as a QuantizedKV; `row(stack, r)` reads a row."""
-    packed, meta = stacks
-    keys = (row(packed, j), row(meta, j), row(meta, n + j))
-    values = (row(packed, n + j), row(meta, 2 * n + j), row(meta, 3 * n + j))
-    return QuantizedKV(keys, values, like.group_size, like.bits)
+    return stacked(entries, [i for i, c in enumerate(cache_layers) if _stackable(c)])
 
 
 # ---- single-sequence caches ----
@@ -440,46 +321,66 @@ def _extract_single(c, start, end, state_here):
     if isinstance(c, ArraysCache):
         if not state_here or c.cache[0] is None:
             return None
-        return State(tuple(None if a is None else _copy(a[0:1]) for a in c.cache))
+        return State(tuple(None if a is None else copy(a[0:1]) for a in c.cache))
     if isinstance(c, CacheList):
         parts = tuple(_extract_single(s, start, end, state_here) for s in c.caches)
         return None if all(p is None for p in parts) else Nested(parts)
     return None
 
 
-def extract_blocks(cache_layers, start_token, block_size, n_blocks, *, num_tokens=None, layers=None,
-                   states=True):
-    """Payloads of blocks [start_token + i*block_size, +block_size), i < n_blocks, of a single-sequence cache.
+def extract_blocks(cache_layers, start_token, block_size, n_blocks, *, tail=0, num_tokens=None, layers=None,
+                   states=True, share=True):
+    """Payloads of blocks [start_token + i*block_size, +block_size), i < n_blocks, of a single-sequence cache,
+    and with `tail`, of a last partial block of that many tokens after them.
 
     `num_tokens` is how many tokens the cache holds (default: what its
     attention layers say); a recurrent state goes to the block ending there,
     and only if every attention layer agrees, so a state is never filed under
     the wrong position; `states=False` takes none. `layers` limits extraction
     to those layer indices. Entries that cannot be extracted are None.
+    Blocks extracted together share one stack (`stacks.cut`) unless `share` is False.
     """
-    return _extract_span(cache_layers, _offsets(cache_layers), start_token, block_size, n_blocks,
-                         num_tokens, layers, states, _extract_single)
+    return _extract_span(cache_layers, _offsets(cache_layers), start_token, _sizes(block_size, n_blocks, tail),
+                         num_tokens, layers, states, share, _extract_single)
 
 
-def _extract_span(cache_layers, offsets, start_token, block_size, n_blocks, num_tokens, layers, states,
-                  extract_one):
-    """Per block, per layer: extract_one(layer cache, start, end, state_here)."""
+def _sizes(block_size, n_blocks, tail) -> list[int]:
+    return [block_size] * n_blocks + ([tail] if tail else [])
+
+
+def _extract_span(cache_layers, offsets, start_token, sizes, num_tokens, layers, states, share, extract_one):
+    """Per block of `sizes` tokens from `start_token`, per layer: extract_one(layer cache, start, end, state_here)."""
     if num_tokens is None:
         num_tokens = offsets[0] if offsets else None
     state_ok = states and num_tokens is not None and all(o == num_tokens for o in offsets)
+    bounds = [start_token]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    span = _stacked_span(cache_layers, bounds[0], bounds[-1], layers, extract_one) if share and len(sizes) > 1 else None
+    in_span = span.stack_layers if span is not None else ()
     payloads = []
-    for b in range(n_blocks):
-        start = start_token + b * block_size
-        end = start + block_size
+    for start, end in zip(bounds, bounds[1:]):
         state_here = state_ok and end == num_tokens
-        payloads.append(_stacked(
-            [
-                extract_one(c, start, end, state_here) if layers is None or i in layers else None
-                for i, c in enumerate(cache_layers)
-            ],
-            cache_layers,
-        ))
+        entries = [
+            extract_one(c, start, end, state_here) if (layers is None or i in layers) and i not in in_span else None
+            for i, c in enumerate(cache_layers)
+        ]
+        if span is None:
+            payloads.append(_stacked(entries, cache_layers))
+        else:
+            payloads.append(cut(span, entries, start - bounds[0], end - bounds[0]))
     return payloads
+
+
+def _stacked_span(cache_layers, start, end, layers, extract_one) -> Payload | None:
+    """Tokens [start, end) of every stackable layer as one stacked Payload, or None (then each
+    block gets stacks of its own): one copy per layer for the span instead of one per layer and block."""
+    wanted = tuple(i for i, c in enumerate(cache_layers) if _stackable(c) and (layers is None or i in layers))
+    if len(wanted) < 2:
+        return None
+    entries = [extract_one(c, start, end, False) if i in wanted else None for i, c in enumerate(cache_layers)]
+    span = _stacked(entries, cache_layers)  # lazy: when refused, nothing of it runs
+    return span if span.stack_layers == wanted else None
 
 
 # ---- one row of a batched cache ----
@@ -561,7 +462,7 @@ def _extract_row(c, row, start, end, state_here, seen):
     if isinstance(c, ArraysCache):
         if not state_here or c.cache[0] is None:
             return None
-        return State(tuple(None if a is None else _copy(a[row : row + 1]) for a in c.cache))
+        return State(tuple(None if a is None else copy(a[row : row + 1]) for a in c.cache))
     if isinstance(c, CacheList):
         parts = tuple(_extract_row(s, row, start, end, state_here, seen) for s in c.caches)
         return None if all(p is None for p in parts) else Nested(parts)
@@ -569,7 +470,8 @@ def _extract_row(c, row, start, end, state_here, seen):
 
 
 def extract_blocks_from_batch(
-    batch_cache_layers, row, start_token, block_size, n_blocks, *, num_tokens=None, layers=None, states=True
+    batch_cache_layers, row, start_token, block_size, n_blocks, *, tail=0, num_tokens=None, layers=None,
+    states=True, share=True,
 ):
     """`extract_blocks` for one row of a BatchGenerator's batched cache.
 
@@ -583,7 +485,7 @@ def extract_blocks_from_batch(
         return _extract_row(c, row, start, end, state_here, seen)
 
     return _extract_span(batch_cache_layers, _batch_offsets(batch_cache_layers, row, seen), start_token,
-                         block_size, n_blocks, num_tokens, layers, states, extract_one)
+                         _sizes(block_size, n_blocks, tail), num_tokens, layers, states, share, extract_one)
 
 
 def oldest_window_token(cache_layers, row=None) -> int:

@@ -26,8 +26,8 @@ from mlxserve.cache.layers import (
     PositionState,
     QuantizedKV,
     State,
-    _quantized_rows,
 )
+from mlxserve.cache.stacks import quantized_rows
 from mlxserve.cache.quantized import QuantizedKVCache as BatchableQuantizedKVCache
 
 
@@ -193,7 +193,7 @@ def _restore_stacked(payloads, num_tokens: int) -> dict:
             c.keys, c.values = joined[0][j:j + 1], joined[0][n + j:n + j + 1]
         else:
             c = BatchableQuantizedKVCache(group_size=like.group_size, bits=like.bits)
-            c.keys, c.values = _quantized_rows(joined, n, j, like, lambda a, r: a[r:r + 1])[:2]
+            c.keys, c.values = quantized_rows(joined, n, j, like, lambda a, r: a[r:r + 1])[:2]
         c.offset = num_tokens
         out[i] = c
     return out

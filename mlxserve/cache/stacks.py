@@ -1,0 +1,93 @@
+"""Blocks' full-attention KV as a few stacked arrays (`Payload.stacks`) instead of a few per layer.
+
+A restore concatenates a few arrays per block instead of a few per block and layer, and on a
+GPU each is a kernel launch; so is each copy of a store. Consecutive blocks cut from one cache
+in one go (a prefill chunk's blocks, a finished request's last blocks and tail) share a stack
+copied once for all of them, each block's stacks being views of its tokens (`cut`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxserve.cache.payload import KV, Payload, QuantizedKV
+
+
+def copy(x: mx.array) -> mx.array:
+    # A slice is a view that keeps the whole (step-allocated, much larger)
+    # cache buffer alive; `contiguous` copies unless the buffer is already
+    # about the slice's size.
+    return mx.contiguous(x)
+
+
+def _layout(e) -> tuple:
+    """What must agree for entries to share stacks: kind, shapes but tokens, dtypes, quantization."""
+    if isinstance(e, KV):
+        return KV, e.keys.shape, e.values.shape, e.keys.dtype
+    return (QuantizedKV, e.group_size, e.bits) + tuple((a.shape, a.dtype) for a in (*e.keys, *e.values))
+
+
+def _keys_like_values(e) -> bool:
+    """Keys and values of one shape: they can share a stack."""
+    if isinstance(e, KV):
+        return e.keys.shape == e.values.shape
+    return all(k.shape == v.shape for k, v in zip(e.keys, e.values))
+
+
+def _copied(e):
+    if isinstance(e, KV):
+        return KV(copy(e.keys), copy(e.values))
+    return QuantizedKV(tuple(map(copy, e.keys)), tuple(map(copy, e.values)), e.group_size, e.bits)
+
+
+def stacked(entries: list, stackable) -> Payload:
+    """A Payload whose full-attention KV (views into the cache) at layers `stackable` is stacked
+    copies (or, where those layers differ in layout, a copy each)."""
+    payload = Payload(entries)
+    full = [i for i in stackable if isinstance(entries[i], (KV, QuantizedKV))]
+    if len(full) < 2 or len({_layout(entries[i]) for i in full}) != 1 or not _keys_like_values(entries[full[0]]):
+        for i in full:
+            payload[i] = _copied(entries[i])
+        return payload
+    if isinstance(entries[full[0]], KV):
+        stacks = (mx.stack([entries[i].keys for i in full] + [entries[i].values for i in full]),)
+    else:
+        packed = mx.stack([entries[i].keys[0] for i in full] + [entries[i].values[0] for i in full])
+        meta = mx.stack([entries[i].keys[1] for i in full] + [entries[i].keys[2] for i in full]
+                        + [entries[i].values[1] for i in full] + [entries[i].values[2] for i in full])
+        stacks = (packed, meta)
+    return _views(payload, stacks, tuple(full), entries)
+
+
+def cut(span: Payload, entries: list, start: int, end: int) -> Payload:
+    """A block's Payload: `entries` (its other layers), with the stacked layers of `span` as
+    views of its tokens [start, end)."""
+    stacks = tuple(s[:, :, :, start:end] for s in span.stacks)  # (rows, 1, heads, tokens, dim)
+    payload = _views(Payload(entries), stacks, span.stack_layers, span)
+    payload.shared = True
+    return payload
+
+
+def _views(payload: Payload, stacks: tuple, layers: tuple, like) -> Payload:
+    n = len(layers)
+    for j, i in enumerate(layers):
+        if isinstance(like[i], KV):
+            payload[i] = KV(row(stacks[0], j), row(stacks[0], n + j))
+        else:
+            payload[i] = quantized_rows(stacks, n, j, like[i])
+    payload.stacks, payload.stack_layers = stacks, layers
+    return payload
+
+
+def row(stack, r):
+    # A view: integer indexing (`stack[r]`) is a gather in MLX, a copy that
+    # would hold every block's KV twice behind the pool's back.
+    return stack[r:r + 1].squeeze(0)
+
+
+def quantized_rows(stacks, n, j, like, row=row) -> QuantizedKV:
+    """Layer j (of n stacked) of quantized stacks, as a QuantizedKV; `row(stack, r)` reads a row."""
+    packed, meta = stacks
+    keys = (row(packed, j), row(meta, j), row(meta, n + j))
+    values = (row(packed, n + j), row(meta, 2 * n + j), row(meta, 3 * n + j))
+    return QuantizedKV(keys, values, like.group_size, like.bits)
