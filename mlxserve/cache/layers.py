@@ -45,7 +45,7 @@ from mlxserve.cache.chunked import BatchChunkedKVCache
 from mlxserve.cache.payload import KV, Nested, Payload, QuantizedKV, State, payload_arrays, payload_nbytes
 from mlxserve.cache.quantized import BatchQuantizedKVCache
 from mlxserve.cache.quantized import QuantizedKVCache as BatchableQuantizedKVCache
-from mlxserve.cache.stacks import copy, cut, stacked
+from mlxserve.cache.stacks import copy, stacked
 
 
 class PositionState(ArraysCache):
@@ -328,59 +328,44 @@ def _extract_single(c, start, end, state_here):
     return None
 
 
-def extract_blocks(cache_layers, start_token, block_size, n_blocks, *, tail=0, num_tokens=None, layers=None,
-                   states=True, share=True):
-    """Payloads of blocks [start_token + i*block_size, +block_size), i < n_blocks, of a single-sequence cache,
-    and with `tail`, of a last partial block of that many tokens after them.
+def extract_blocks(cache_layers, start_token, block_size, n_blocks, *, num_tokens=None, layers=None,
+                   states=True):
+    """Payloads of blocks [start_token + i*block_size, +block_size), i < n_blocks, of a single-sequence cache.
 
     `num_tokens` is how many tokens the cache holds (default: what its
     attention layers say); a recurrent state goes to the block ending there,
     and only if every attention layer agrees, so a state is never filed under
     the wrong position; `states=False` takes none. `layers` limits extraction
     to those layer indices. Entries that cannot be extracted are None.
-    Blocks extracted together share one stack (`stacks.cut`) unless `share` is False.
     """
-    return _extract_span(cache_layers, _offsets(cache_layers), start_token, _sizes(block_size, n_blocks, tail),
-                         num_tokens, layers, states, share, _extract_single)
+    return _extract_span(cache_layers, _offsets(cache_layers), start_token, block_size, n_blocks,
+                         num_tokens, layers, states, _extract_single)
 
 
-def _sizes(block_size, n_blocks, tail) -> list[int]:
-    return [block_size] * n_blocks + ([tail] if tail else [])
+def _extract_span(cache_layers, offsets, start_token, block_size, n_blocks, num_tokens, layers, states,
+                  extract_one):
+    """Per block, per layer: extract_one(layer cache, start, end, state_here).
 
-
-def _extract_span(cache_layers, offsets, start_token, sizes, num_tokens, layers, states, share, extract_one):
-    """Per block of `sizes` tokens from `start_token`, per layer: extract_one(layer cache, start, end, state_here)."""
+    Each block gets a stack of its own: blocks sharing one stack copied once for all of them
+    (fewer copy kernels) measured no faster on MLX CUDA and slower on the CPU, and would free
+    their memory only together (`benchmarks/shared-stacks-20261125-2320.md`).
+    """
     if num_tokens is None:
         num_tokens = offsets[0] if offsets else None
     state_ok = states and num_tokens is not None and all(o == num_tokens for o in offsets)
-    bounds = [start_token]
-    for size in sizes:
-        bounds.append(bounds[-1] + size)
-    span = _stacked_span(cache_layers, bounds[0], bounds[-1], layers, extract_one) if share and len(sizes) > 1 else None
-    in_span = span.stack_layers if span is not None else ()
     payloads = []
-    for start, end in zip(bounds, bounds[1:]):
+    for b in range(n_blocks):
+        start = start_token + b * block_size
+        end = start + block_size
         state_here = state_ok and end == num_tokens
-        entries = [
-            extract_one(c, start, end, state_here) if (layers is None or i in layers) and i not in in_span else None
-            for i, c in enumerate(cache_layers)
-        ]
-        if span is None:
-            payloads.append(_stacked(entries, cache_layers))
-        else:
-            payloads.append(cut(span, entries, start - bounds[0], end - bounds[0]))
+        payloads.append(_stacked(
+            [
+                extract_one(c, start, end, state_here) if layers is None or i in layers else None
+                for i, c in enumerate(cache_layers)
+            ],
+            cache_layers,
+        ))
     return payloads
-
-
-def _stacked_span(cache_layers, start, end, layers, extract_one) -> Payload | None:
-    """Tokens [start, end) of every stackable layer as one stacked Payload, or None (then each
-    block gets stacks of its own): one copy per layer for the span instead of one per layer and block."""
-    wanted = tuple(i for i, c in enumerate(cache_layers) if _stackable(c) and (layers is None or i in layers))
-    if len(wanted) < 2:
-        return None
-    entries = [extract_one(c, start, end, False) if i in wanted else None for i, c in enumerate(cache_layers)]
-    span = _stacked(entries, cache_layers)  # lazy: when refused, nothing of it runs
-    return span if span.stack_layers == wanted else None
 
 
 # ---- one row of a batched cache ----
@@ -470,8 +455,7 @@ def _extract_row(c, row, start, end, state_here, seen):
 
 
 def extract_blocks_from_batch(
-    batch_cache_layers, row, start_token, block_size, n_blocks, *, tail=0, num_tokens=None, layers=None,
-    states=True, share=True,
+    batch_cache_layers, row, start_token, block_size, n_blocks, *, num_tokens=None, layers=None, states=True
 ):
     """`extract_blocks` for one row of a BatchGenerator's batched cache.
 
@@ -485,7 +469,7 @@ def extract_blocks_from_batch(
         return _extract_row(c, row, start, end, state_here, seen)
 
     return _extract_span(batch_cache_layers, _batch_offsets(batch_cache_layers, row, seen), start_token,
-                         _sizes(block_size, n_blocks, tail), num_tokens, layers, states, share, extract_one)
+                         block_size, n_blocks, num_tokens, layers, states, extract_one)
 
 
 def oldest_window_token(cache_layers, row=None) -> int:

@@ -42,9 +42,6 @@ class Payload(list):
 
     stacks: tuple = ()
     stack_layers: tuple = ()
-    # The stacks are views of one stack that consecutive blocks cut from a cache share
-    # (`stacks.cut`): the prefix cache accounts its bytes to the first of them.
-    shared: bool = False
 
 
 def _entry_arrays(e) -> list:
@@ -67,14 +64,3 @@ def payload_arrays(payload) -> list:
 
 def payload_nbytes(payload) -> int:
     return sum(a.nbytes for a in payload_arrays(payload))
-
-
-def accounted_nbytes(payloads) -> list[int]:
-    """The bytes each of consecutive payloads holds, for a pool's budget: a stack they share
-    (`Payload.shared`) counted once, with the first, which outlives the others in a prefix cache
-    (a parent block is evicted only after its children)."""
-    shared = [sum(s.nbytes for s in p.stacks) if getattr(p, "shared", False) else 0 for p in payloads]
-    out = [payload_nbytes(p) - s for p, s in zip(payloads, shared)]
-    if out:
-        out[0] += sum(shared)
-    return out

@@ -203,7 +203,7 @@ class BlockPool:
         nbytes = self._sizeof(payload) if nbytes is None else int(nbytes)
         if nbytes > self.budget:
             return self._refuse("too_big")
-        if not self.fits(nbytes):
+        if self.nbytes - self._free_bytes + nbytes > self.budget:
             return self._refuse("no_room")  # evicting every free block would not do
         if up is not None:
             up.children += 1  # before making room: the chain we extend must stay
@@ -223,10 +223,6 @@ class BlockPool:
         self._push(block)
         return block
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether evicting free blocks could make room for `nbytes` more."""
-        return nbytes <= self.budget and self.nbytes - self._free_bytes + nbytes <= self.budget
-
     def update(self, key: bytes, payload, *, nbytes: int | None = None) -> bool:
         """Replace a cached block's payload with a more complete one (same tokens).
 
@@ -236,10 +232,8 @@ class BlockPool:
         block = self._blocks.get(key)
         if block is None:
             return False
-        # By what the payload grows: a block may be accounted more than its own arrays (a stack
-        # that later blocks share), which stays with it.
-        grow = self._sizeof(payload) - self._sizeof(block.payload) if nbytes is None else int(nbytes) - block.nbytes
-        nbytes = block.nbytes + grow
+        nbytes = self._sizeof(payload) if nbytes is None else int(nbytes)
+        grow = nbytes - block.nbytes
         if grow > 0:
             if nbytes > self.budget:
                 self._refuse("too_big")

@@ -29,7 +29,6 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.cache.blocks import block_key, content_key, extra_at, hash_blocks, overlap
 from mlxserve.cache.from_disk import read_chain, read_children
-from mlxserve.cache.payload import accounted_nbytes
 from mlxserve.cache.layers import (
     KIND_NAMES,
     describe_specs,
@@ -497,13 +496,16 @@ class PrefixCache:
         hashes = self._hashes(token_ids, n_full, extra_keys, hashes)
         leaf_specs = flat_specs(specs)
 
-        def extract(start, n, only=None, size=bs, states=state, tail=0, share=True):
+        def extract(start, n, only=None, size=bs, states=state):
             if row is None:
-                payloads = extract_blocks(layers, start, size, n, tail=tail, num_tokens=upto_tokens, layers=only,
-                                          states=states, share=share)
+                payloads = extract_blocks(layers, start, size, n, num_tokens=upto_tokens, layers=only, states=states)
             else:
-                payloads = extract_blocks_from_batch(layers, row, start, size, n, tail=tail, num_tokens=upto_tokens,
-                                                     layers=only, states=states, share=share)
+                payloads = extract_blocks_from_batch(layers, row, start, size, n, num_tokens=upto_tokens,
+                                                     layers=only, states=states)
+            # Queued, not waited for: the copies run after the decode step already queued, and
+            # waiting here would leave the accelerator idle while the host builds the next step
+            # (a read of a payload, e.g. by the disk tier, waits for it then).
+            mx.async_eval([a for p in payloads for a in payload_arrays(p)])
             for j, payload in enumerate(payloads):
                 for spec, e in zip(leaf_specs, flat_entries(payload, specs)):
                     if only is None and spec[0] == "full" and e is None:
@@ -517,7 +519,6 @@ class PrefixCache:
         has_window = bool({"window", "chunk"} & spec_kinds(specs))
         fill_from = -(-oldest_window_token(layers, row) // bs) if has_window else n_full - 1
         pool = self.pool
-        tail = upto - n_full * bs if finished else 0  # tokens after the last full block
         done = 0
         k = 0
         while k < n_full:
@@ -530,52 +531,26 @@ class PrefixCache:
             end = k + 1
             while end < n_full and hashes[end] not in pool:
                 end += 1
-            # A finished sequence's tail is cut with the blocks before it (one stack for all),
-            # its recurrent state, if any, being where the cache ends: at its end.
-            with_tail = tail if end == n_full else 0
-            states = state or bool(with_tail)
-            payloads = extract(k * bs, end - k, states=states, tail=with_tail)
-            stored = self._store_run(payloads, k, end, hashes, token_ids, extra_keys)
-            if not stored and payloads[0].shared:
-                # Blocks that share a stack free its memory only together: where the pool cannot
-                # make room for all of it, each block gets its own (nothing of the shared one ran).
-                payloads = extract(k * bs, end - k, states=states, tail=with_tail, share=False)
-                stored = self._store_run(payloads, k, end, hashes, token_ids, extra_keys)
-            if stored == end - k and with_tail:
-                stored += self._store_tail(hashes[n_full - 1], token_ids[n_full * bs : upto],
-                                           extra_at(extra_keys, n_full), payloads[-1],
-                                           accounted_nbytes(payloads)[-1])
-                tail = 0
-            _queue(payloads[:stored])
-            done += stored
-            if stored < end - k:
-                return done  # later blocks would be unreachable orphans
-            k = end
-        if tail:
-            payload = extract(n_full * bs, 0, states=True, tail=tail)[0]
-            if self._store_tail(hashes[n_full - 1] if n_full else None, token_ids[n_full * bs : upto],
-                                extra_at(extra_keys, n_full), payload):
-                _queue([payload])
+            for j, payload in enumerate(extract(k * bs, end - k), start=k):
+                tokens = np.asarray(token_ids[j * bs : (j + 1) * bs], dtype=np.int32)
+                block = pool.store(hashes[j], hashes[j - 1] if j else None, payload, num_tokens=bs,
+                                   token_ids=tokens, extra=extra_at(extra_keys, j))
+                if block is None:
+                    return done  # later blocks would be unreachable orphans
+                if self.disk is not None:
+                    self.disk.save(block)
+                if j == 0:
+                    pool.note_root(content_key(token_ids, bs, extra_keys), self.fingerprint)
                 done += 1
+            k = end
+        if finished and upto > n_full * bs:
+            tail = upto - n_full * bs  # its recurrent state, if any, is where the cache ends: at its end
+            done += self._store_tail(hashes[n_full - 1] if n_full else None, token_ids[n_full * bs : upto],
+                                     extra_at(extra_keys, n_full),
+                                     lambda: extract(n_full * bs, 1, size=tail, states=True)[0])
         return done
 
-    def _store_run(self, payloads, k, end, hashes, token_ids, extra_keys) -> int:
-        """Store blocks k..end-1 from `payloads` (in order); how many were, up to the first refused."""
-        bs = self.block_size
-        nbytes = accounted_nbytes(payloads)
-        for j, payload in enumerate(payloads[: end - k], start=k):
-            tokens = np.asarray(token_ids[j * bs : (j + 1) * bs], dtype=np.int32)
-            block = self.pool.store(hashes[j], hashes[j - 1] if j else None, payload, num_tokens=bs,
-                                    nbytes=nbytes[j - k], token_ids=tokens, extra=extra_at(extra_keys, j))
-            if block is None:
-                return j - k
-            if self.disk is not None:
-                self.disk.save(block)
-            if j == 0:
-                self.pool.note_root(content_key(token_ids, bs, extra_keys), self.fingerprint)
-        return end - k
-
-    def _store_tail(self, parent, tokens, block_extra, payload, nbytes=None) -> int:
+    def _store_tail(self, parent, tokens, block_extra, extract) -> int:
         """Store a finished sequence's last, partial block under its last full block."""
         if parent is not None and parent not in self.pool:
             return 0
@@ -583,7 +558,7 @@ class PrefixCache:
         key = block_key(tokens, self.block_size, fingerprint=self.fingerprint, extra=extra, parent=parent)
         if key in self.pool:
             return 0
-        stored = self.pool.store(key, parent, payload, num_tokens=len(tokens), nbytes=nbytes,
+        stored = self.pool.store(key, parent, extract(), num_tokens=len(tokens),
                                  token_ids=np.asarray(tokens, dtype=np.int32), extra=extra)
         if stored is not None and self.disk is not None:
             self.disk.save(stored)  # a restarted server continues from it as this one does
@@ -601,11 +576,9 @@ class PrefixCache:
                 only.add(i)
         if not only:
             return 0
-        payload = extract(k * self.block_size, 1, only)[0]
-        merged = fill_missing(block.payload, payload)
+        merged = fill_missing(block.payload, extract(k * self.block_size, 1, only)[0])
         if merged is None or not self.pool.update(block.hash, merged):
             return 0
-        _queue([payload])
         if self.disk is not None:
             self.disk.save(block, update=True)  # the file lacks what memory now has
         return 1
@@ -637,10 +610,3 @@ class PrefixCache:
         self.pool.reset()
         if self.disk is not None:
             self.disk.clear()
-
-
-def _queue(payloads) -> None:
-    """Queue the copies of stored payloads, not waiting for them: they run after the decode step
-    already queued, and waiting here would leave the accelerator idle while the host builds the
-    next step (a read of a payload, e.g. by the disk tier, waits for it then)."""
-    mx.async_eval([a for p in payloads for a in payload_arrays(p)])

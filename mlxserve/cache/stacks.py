@@ -1,10 +1,6 @@
-"""Blocks' full-attention KV as a few stacked arrays (`Payload.stacks`) instead of a few per layer.
-
-A restore concatenates a few arrays per block instead of a few per block and layer, and on a
-GPU each is a kernel launch; so is each copy of a store. Consecutive blocks cut from one cache
-in one go (a prefill chunk's blocks, a finished request's last blocks and tail) share a stack
-copied once for all of them, each block's stacks being views of its tokens (`cut`).
-"""
+"""Blocks' full-attention KV as a few stacked arrays (`Payload.stacks`) instead of a few per layer:
+a restore concatenates a few arrays per block instead of a few per block and layer, and on a GPU
+each is a kernel launch."""
 
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ def copy(x: mx.array) -> mx.array:
 
 
 def _layout(e) -> tuple:
-    """What must agree for entries to share stacks: kind, shapes but tokens, dtypes, quantization."""
+    """What must agree for entries to share stacks: kind, shapes, dtypes, quantization."""
     if isinstance(e, KV):
         return KV, e.keys.shape, e.values.shape, e.keys.dtype
     return (QuantizedKV, e.group_size, e.bits) + tuple((a.shape, a.dtype) for a in (*e.keys, *e.values))
@@ -57,15 +53,6 @@ def stacked(entries: list, stackable) -> Payload:
                         + [entries[i].values[1] for i in full] + [entries[i].values[2] for i in full])
         stacks = (packed, meta)
     return _views(payload, stacks, tuple(full), entries)
-
-
-def cut(span: Payload, entries: list, start: int, end: int) -> Payload:
-    """A block's Payload: `entries` (its other layers), with the stacked layers of `span` as
-    views of its tokens [start, end)."""
-    stacks = tuple(s[:, :, :, start:end] for s in span.stacks)  # (rows, 1, heads, tokens, dim)
-    payload = _views(Payload(entries), stacks, span.stack_layers, span)
-    payload.shared = True
-    return payload
 
 
 def _views(payload: Payload, stacks: tuple, layers: tuple, like) -> Payload:
