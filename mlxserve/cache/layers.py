@@ -42,7 +42,7 @@ from mlx_lm.models.cache import (
 
 from mlxserve.cache import chunked
 from mlxserve.cache.chunked import BatchChunkedKVCache
-from mlxserve.cache.payload import KV, Nested, Payload, QuantizedKV, State, payload_arrays, payload_nbytes
+from mlxserve.cache.payload import KV, Nested, Payload, QuantizedKV, State, payload_nbytes  # noqa: F401 - re-exported
 from mlxserve.cache.quantized import BatchQuantizedKVCache
 from mlxserve.cache.quantized import QuantizedKVCache as BatchableQuantizedKVCache
 from mlxserve.cache.stacks import copy, stacked

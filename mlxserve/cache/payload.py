@@ -62,5 +62,13 @@ def payload_arrays(payload) -> list:
     return [a for e in payload for a in _entry_arrays(e)]
 
 
+def payload_buffers(payload) -> list:
+    """The arrays that hold a payload's memory: its stacks and its entries not stacked. A stacked
+    layer's entry is a view of the stacks (no copy of its own), computed when first read."""
+    stacked = set(getattr(payload, "stack_layers", ()))
+    return [*getattr(payload, "stacks", ()),
+            *(a for i, e in enumerate(payload) if i not in stacked for a in _entry_arrays(e))]
+
+
 def payload_nbytes(payload) -> int:
     return sum(a.nbytes for a in payload_arrays(payload))

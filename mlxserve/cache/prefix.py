@@ -41,10 +41,10 @@ from mlxserve.cache.layers import (
     layer_specs,
     needed_blocks,
     oldest_window_token,
-    payload_arrays,
     spec_kinds,
     unsupported_layers,
 )
+from mlxserve.cache.payload import payload_buffers
 from mlxserve.cache.restore import restore_cache
 from mlxserve.cache.pool import BlockPool
 
@@ -505,7 +505,7 @@ class PrefixCache:
             # Queued, not waited for: the copies run after the decode step already queued, and
             # waiting here would leave the accelerator idle while the host builds the next step
             # (a read of a payload, e.g. by the disk tier, waits for it then).
-            mx.async_eval([a for p in payloads for a in payload_arrays(p)])
+            mx.async_eval([a for p in payloads for a in payload_buffers(p)])
             for j, payload in enumerate(payloads):
                 for spec, e in zip(leaf_specs, flat_entries(payload, specs)):
                     if only is None and spec[0] == "full" and e is None:
