@@ -247,6 +247,42 @@ def test_pure_recurrent_model(tiny):
     assert greedy(model, prompt[24:], cache=cache) == greedy(model, prompt)
 
 
+def test_a_finished_batch_rows_cache_is_mlx_lms_without_the_copies(tiny, monkeypatch):
+    """The engine's batches hand a finished row's KV over as views of the batch, located from the
+    row's token count: exactly what mlx-lm's extract copies, for rows of different lengths that
+    joined and left at different steps."""
+    from mlxserve.engine import grammar
+
+    model = tiny("llama-tiny").model
+    grammar.install()
+    seen = []
+    views = grammar.ConstrainedGenerationBatch.extract_cache
+
+    def both(self, idx):
+        seen.append((views(self, idx), [c.extract(idx) for c in self.prompt_cache]))
+        return seen[-1][0]
+
+    monkeypatch.setattr(grammar.ConstrainedGenerationBatch, "extract_cache", both)
+    gen = BatchGenerator(model, prefill_step_size=16)
+    try:
+        gen.insert([prompt_of(40, 26), prompt_of(5, 27)], max_tokens=[9, 3])
+        finished = 0
+        for step in range(40):
+            if step == 2:
+                gen.insert([prompt_of(23, 28)], max_tokens=[6])
+            finished += sum(r.finish_reason is not None for r in gen.next_generated())
+            if finished == 3:
+                break
+    finally:
+        gen.close()
+    assert len(seen) == 3
+    for got, ref in seen:
+        for g, r in zip(got, ref):
+            assert g.offset == r.offset and g.keys.shape == r.keys.shape
+            assert np.array_equal(np.array(g.keys), np.array(r.keys))
+            assert np.array_equal(np.array(g.values), np.array(r.values))
+
+
 @pytest.mark.parametrize("shape", ["llama-tiny", "gemma3-tiny", "lfm2-tiny"])
 def test_blocks_from_a_batched_cache_row(tiny, shape):
     loaded = tiny(shape)

@@ -208,16 +208,21 @@ class ConstrainedGenerationBatch(_generate.GenerationBatch):
     def extract_cache(self, idx: int) -> list:
         """A finished row's cache, as mlx-lm's, but a plain KV layer's row is a view of the batch's
         buffers where mlx-lm queues a copy per layer: the prefix cache, its one reader, copies
-        it into blocks anyway (the view keeps the old buffers until those copies have run)."""
-        return [_row_view(c, idx) if type(c) is BatchKVCache else c.extract(idx) for c in self.prompt_cache]
+        it into blocks anyway (the view keeps the old buffers until those copies have run).
+
+        The row's KV is its last `len(tokens)` positions (rows are right-aligned, and `tokens`
+        holds what the cache holds): mlx-lm reads each layer's left padding instead, a device
+        read that waits for the step already queued, so the host could not build the next one
+        meanwhile."""
+        n = len(self.tokens[idx])
+        return [_row_view(c, idx, n) if type(c) is BatchKVCache else c.extract(idx) for c in self.prompt_cache]
 
 
-def _row_view(c, idx: int) -> KVCache:
-    padding = c.left_padding[idx].item()
+def _row_view(c, idx: int, n: int) -> KVCache:
     row = KVCache()
-    row.keys = c.keys[idx:idx + 1, :, padding:c._idx]
-    row.values = c.values[idx:idx + 1, :, padding:c._idx]
-    row.offset = row.keys.shape[2]
+    row.keys = c.keys[idx:idx + 1, :, c._idx - n:c._idx]
+    row.values = c.values[idx:idx + 1, :, c._idx - n:c._idx]
+    row.offset = n
     return row
 
 
