@@ -43,10 +43,12 @@ def smaller_cuda_graphs() -> None:
     again (4B 4-bit, eight lengths of 700-2,000 tokens: 758 ms against 542; graphs off: 563
     against 540). Without the byte limit alone, no better; with graphs of 25 kernels and no byte
     limit, 572 against 526 (a graph that short, about a layer's part, most likely recurs at any
-    length), and a fresh server's first turn took 102 ms instead of 128. Lone decoding measured
-    5-6% slower in one pair of runs, inside the spread of either
-    (benchmarks/graph-size-cuda-20261125-2105). Only on CUDA: Metal reads the same variables for
-    its command buffers. Set either variable and mlxserve sets neither.
+    length), and a fresh server's first turn took 102 ms instead of 128
+    (benchmarks/graph-size-cuda-20261125-2105). Decoding does not pay for it: the lone path 180
+    tok/s against 183 with MLX's values over three alternating pairs, within their spread, and
+    batched decoding with no consistent direction (benchmarks/graph-limits-decode-cuda-20261125-2310).
+    Only on CUDA: Metal reads the same variables for its command buffers. Set either variable and
+    mlxserve sets neither.
     """
     import mlx.core as mx
 

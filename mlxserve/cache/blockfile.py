@@ -24,7 +24,7 @@ import numpy as np
 import xxhash
 
 from mlxserve.cache.payload import KV, Nested, Payload, QuantizedKV, State
-from mlxserve.cache.stacks import quantized_rows, row
+from mlxserve.cache.stacks import views
 
 # Bump when the layout changes. Files of an older format are misses (and are deleted).
 FORMAT = "mlxserve-block-3"
@@ -213,21 +213,12 @@ def _encode_entry(e, name: str, arrays: dict):
 
 def decode_payload(arrays: dict, meta: dict) -> Payload:
     stacks = tuple(arrays[f"stack{n}"] for n in range(meta["stacks"]))
-    stack_layers = tuple(meta["stack_layers"])
-    n = len(stack_layers)
-    payload = Payload()
-    for i, spec in enumerate(meta["layers"]):
-        if spec is not None and spec.get("stacked"):
-            j = stack_layers.index(i)
-            if spec["bits"] is None:
-                payload.append(KV(row(stacks[0], j), row(stacks[0], n + j)))
-            else:
-                like = QuantizedKV((), (), spec["group_size"], spec["bits"])
-                payload.append(quantized_rows(stacks, n, j, like))
-        else:
-            payload.append(_decode_entry(spec, str(i), arrays))
-    payload.stacks, payload.stack_layers = stacks, stack_layers
-    return payload
+    stacked = [spec is not None and spec.get("stacked") for spec in meta["layers"]]
+    payload = Payload(None if s else _decode_entry(spec, str(i), arrays)
+                      for i, (spec, s) in enumerate(zip(meta["layers"], stacked)))
+    like = [(KV((), ()) if spec["bits"] is None else QuantizedKV((), (), spec["group_size"], spec["bits"]))
+            if s else None for spec, s in zip(meta["layers"], stacked)]
+    return views(payload, stacks, tuple(meta["stack_layers"]), like)
 
 
 def _decode_entry(spec, name: str, arrays: dict):

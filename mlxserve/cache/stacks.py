@@ -52,10 +52,12 @@ def stacked(entries: list, stackable) -> Payload:
         meta = mx.stack([entries[i].keys[1] for i in full] + [entries[i].keys[2] for i in full]
                         + [entries[i].values[1] for i in full] + [entries[i].values[2] for i in full])
         stacks = (packed, meta)
-    return _views(payload, stacks, tuple(full), entries)
+    return views(payload, stacks, tuple(full), entries)
 
 
-def _views(payload: Payload, stacks: tuple, layers: tuple, like) -> Payload:
+def views(payload: Payload, stacks: tuple, layers: tuple, like) -> Payload:
+    """`payload` with the entries of `layers` as views of `stacks`, each entry shaped as `like[i]`
+    says (KV, or QuantizedKV with its group size and bits)."""
     n = len(layers)
     rows = [_rows(s) for s in stacks]
     for j, i in enumerate(layers):
@@ -69,17 +71,13 @@ def _views(payload: Payload, stacks: tuple, layers: tuple, like) -> Payload:
 
 def _rows(stack) -> list:
     """Every row of a stack, (1, ...) each, as views: one reshape and one split instead of a
-    slice and a reshape per row (a store makes a few hundred; each is host time)."""
+    slice and a reshape per row (a store makes a few hundred; each is host time). Integer
+    indexing (`stack[r]`) would be a gather in MLX, a copy that would hold every block's KV
+    twice behind the pool's back."""
     return mx.split(stack.reshape(stack.shape[0], *stack.shape[2:]), stack.shape[0], axis=0)
 
 
-def row(stack, r):
-    # A view: integer indexing (`stack[r]`) is a gather in MLX, a copy that
-    # would hold every block's KV twice behind the pool's back.
-    return stack[r:r + 1].squeeze(0)
-
-
-def quantized_rows(stacks, n, j, like, row=row) -> QuantizedKV:
+def quantized_rows(stacks, n, j, like, row) -> QuantizedKV:
     """Layer j (of n stacked) of quantized stacks, as a QuantizedKV; `row(stack, r)` reads a row."""
     packed, meta = stacks
     keys = (row(packed, j), row(meta, j), row(meta, n + j))
