@@ -46,13 +46,22 @@ def stacked(entries: list, stackable) -> Payload:
             payload[i] = _copied(entries[i])
         return payload
     if isinstance(entries[full[0]], KV):
-        stacks = (mx.stack([entries[i].keys for i in full] + [entries[i].values for i in full]),)
+        stacks = (_stack([entries[i].keys for i in full] + [entries[i].values for i in full]),)
     else:
-        packed = mx.stack([entries[i].keys[0] for i in full] + [entries[i].values[0] for i in full])
-        meta = mx.stack([entries[i].keys[1] for i in full] + [entries[i].keys[2] for i in full]
-                        + [entries[i].values[1] for i in full] + [entries[i].values[2] for i in full])
+        packed = _stack([entries[i].keys[0] for i in full] + [entries[i].values[0] for i in full])
+        meta = _stack([entries[i].keys[1] for i in full] + [entries[i].keys[2] for i in full]
+                      + [entries[i].values[1] for i in full] + [entries[i].values[2] for i in full])
         stacks = (packed, meta)
     return views(payload, stacks, tuple(full), entries)
+
+
+def _stack(arrays: list) -> mx.array:
+    """`mx.stack(arrays)` for arrays of one batch row, (1, ...) each, built as one concatenate:
+    MLX's stack adds an expand_dims node per array, and a store's host time goes mostly to
+    building and scheduling nodes (CPU: 600 -> 400 µs for a block of 28 layers)."""
+    if arrays[0].shape[0] != 1:
+        return mx.stack(arrays)
+    return mx.concatenate(arrays, axis=0).reshape(len(arrays), *arrays[0].shape)
 
 
 def views(payload: Payload, stacks: tuple, layers: tuple, like) -> Payload:
