@@ -172,7 +172,8 @@ class EngineConfig:
         "Run the engine (the MLX thread: model, scheduler, caches) in a process of its own, as "
         "vLLM's v1 does: the server's process then only does HTTP, detokenizing and SSE, and its "
         "Python never waits for the GIL the engine's step building holds (`mlxserve bench http "
-        "--modes ...,http-process` measures both). Text models; a vision-language model is refused.",
+        "--modes ...,http-process` measures both). Vision-language models too: the server's process "
+        "renders their prompts and preprocesses their images, the engine's runs the tower.",
     )
     admission_window_ms: float = setting(
         0.0,

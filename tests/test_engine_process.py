@@ -147,14 +147,40 @@ def test_a_dead_engine_process_gives_503s_and_the_server_stays_up():
         live.close()
 
 
-def test_a_vision_language_model_is_refused_with_the_reason():
-    from mlxserve.config import EngineConfig, ModelConfig
-    from mlxserve.engine.process import ProcessEngine
-    from mlxserve.models.files import ModelLoadError
+def test_a_vision_language_model_answers_as_in_process_and_caches_its_images(tiny):
+    """The server's process renders the prompt and preprocesses the image with a weightless
+    adapter; the child runs the tower. Same tokens and logprobs as in-process; a second turn on
+    the same image reuses the child's caches, which the parent asks before making pixels."""
+    from mlxserve.config import EngineConfig
+    from mlxserve.multimodal.media import pixel_hash
+    from tests.test_vlm import data_url, picture
 
-    with pytest.raises(ModelLoadError, match="vision-language model.*without --engine-process"):
-        ProcessEngine.launch(ModelConfig(model="qwen2.5-vl-tiny", load_format="dummy"),
-                             EngineConfig(engine_process=True))
+    vlm = "qwen2.5-vl-tiny"
+    image = picture(3)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                             {"type": "text", "text": "What is in this picture?"}]}]
+    local = LiveServer(tiny(vlm), EngineConfig(block_size=16))
+    there = LiveServer(None, pool=process_pool(vlm, block_size=16))
+    try:
+        kwargs = dict(model=vlm, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+        expected = client_of(local).chat.completions.create(**kwargs)
+        first = client_of(there).chat.completions.create(**kwargs)
+        (choices, logprobs), (want, want_logprobs) = answers(first), answers(expected)
+        assert choices == want and logprobs == pytest.approx(want_logprobs, abs=1e-3)
+        assert first.usage.prompt_tokens == expected.usage.prompt_tokens > 20  # the image's tokens are in it
+
+        engine = there.pool.default.engine
+        assert engine.image_is_cached(pixel_hash(image)) and not engine.image_is_cached(pixel_hash(picture(4)))
+        turn2 = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                            {"role": "user", "content": "And its colours?"}]
+        again = client_of(there).chat.completions.create(**{**kwargs, "messages": turn2})
+        assert again.usage.prompt_tokens_details.cached_tokens >= 16
+        assert answers(again)[0] == answers(client_of(local).chat.completions.create(**{**kwargs, "messages": turn2}))[0]
+        stats = httpx.get(there.base_url + "/cache/stats").json()
+        assert stats["vision_cache"]["enabled"] and stats["prefix_cache"]["hits"] >= 1
+    finally:
+        there.close()
+        local.close()
 
 
 def test_step_outputs_that_do_not_pickle_fail_their_requests_instead_of_hanging():

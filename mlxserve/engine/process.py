@@ -145,7 +145,15 @@ class ProcessEngine(AsyncEngine):
         raise TypeError("an engine process runs engine methods by name: use on_mlx_thread()")
 
     def image_is_cached(self, content_hash: str) -> bool:
-        return False  # vision-language models are not served by an engine process
+        """The child's vision cache, asked over the pipe (from the API's image-preparing thread).
+        An image said cached goes without its pixel array but with its decoded image, from which
+        the child makes the array if the entry is evicted meanwhile, as in-process."""
+        if self.loaded.vision is None or not self.alive:
+            return False
+        try:
+            return bool(self._request("peek", "image_is_cached", content_hash).result(PEEK_TIMEOUT_S))
+        except (concurrent.futures.TimeoutError, EngineDeadError):
+            return False
 
     # ---- the pipe ----
     def _send(self, message) -> None:
@@ -245,15 +253,24 @@ def exit_code(process) -> str:
 
 
 def _parent_loaded(meta: dict):
-    """The parent's LoadedModel: everything but the weights (the tokenizer read from the same folder)."""
+    """The parent's LoadedModel: everything but the weights (the tokenizer read from the same folder).
+    For a vision-language model, its family's adapter over a model object whose weights are never
+    loaded nor evaluated (MLX makes parameters lazily): the parent only renders prompts and
+    preprocesses images with it, off the MLX thread, which is the child's."""
     from mlx_lm.utils import load_tokenizer
 
     from mlxserve.models.load import LoadedModel
+    from mlxserve.models.vlm import build_vlm
 
     tokenizer = load_tokenizer(meta["tokenizer_dir"], eos_token_ids=meta["eos_token_ids"])
-    return LoadedModel(model=None, tokenizer=tokenizer, fingerprint=meta["fingerprint"], name=meta["name"],
-                       context_length=meta["context_length"], config=meta["config"], source=meta["source"],
-                       tokenizer_dir=meta["tokenizer_dir"], remote_weights_nbytes=meta["weights_nbytes"])
+    vision = meta["processor_config"] is not None
+    loaded = LoadedModel(model=build_vlm(meta["config"]) if vision else None, tokenizer=tokenizer,
+                         fingerprint=meta["fingerprint"], name=meta["name"], context_length=meta["context_length"],
+                         config=meta["config"], source=meta["source"], tokenizer_dir=meta["tokenizer_dir"],
+                         remote_weights_nbytes=meta["weights_nbytes"])
+    if vision:
+        loaded.with_vision(meta["processor_config"]).model = None  # the text half is the child's
+    return loaded
 
 
 # ---- the child ----
@@ -386,9 +403,6 @@ def _serve_parent(conn, model_cfg, engine_cfg, log_level: int) -> None:
 
     try:
         loaded = load_configured(model_cfg)
-        if loaded.vision is not None:
-            raise ModelLoadError(f"{loaded.name} is a vision-language model: --engine-process serves text "
-                                 "models only; serve it without --engine-process")
         if loaded.tokenizer_dir is None:
             raise ModelLoadError(f"{loaded.name}: its tokenizer's folder is not known, so the server's "
                                  "process cannot read it; serve it without --engine-process")
@@ -400,7 +414,8 @@ def _serve_parent(conn, model_cfg, engine_cfg, log_level: int) -> None:
     send(("ready", {"tokenizer_dir": str(loaded.tokenizer_dir), "eos_token_ids": sorted(loaded.tokenizer.eos_token_ids),
                     "fingerprint": loaded.fingerprint, "name": loaded.name, "context_length": loaded.context_length,
                     "config": loaded.config, "source": loaded.source, "weights_nbytes": weights_nbytes(loaded),
-                    "max_model_len": engine.max_model_len, "kv_budget": engine.kv_budget}))
+                    "max_model_len": engine.max_model_len, "kv_budget": engine.kv_budget,
+                    "processor_config": loaded.vision.processor_config if loaded.vision is not None else None}))
 
     def report_warmed():
         engine.warmed.wait()

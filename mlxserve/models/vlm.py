@@ -191,6 +191,7 @@ class VisionAdapter:
         self.config = config
         self.tokenizer = tokenizer
         self.text_model = TextModel(model.language_model, mrope=self.mrope)
+        self.processor_config = processor_config  # an engine process's parent builds its own adapter from it
         self._settings_key = json.dumps({"family": self.family, "processor": processor_config}, sort_keys=True)
 
     def token_text(self, token_id: int) -> str:
