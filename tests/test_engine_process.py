@@ -153,7 +153,7 @@ def test_a_vision_language_model_answers_as_in_process_and_caches_its_images(tin
     the same image reuses the child's caches, which the parent asks before making pixels."""
     from mlxserve.config import EngineConfig
     from mlxserve.multimodal.media import pixel_hash
-    from tests.test_vlm import data_url, picture
+    from tests.test_vlm import data_url, picture, video_url
 
     vlm = "qwen2.5-vl-tiny"
     image = picture(3)
@@ -178,6 +178,15 @@ def test_a_vision_language_model_answers_as_in_process_and_caches_its_images(tin
         assert answers(again)[0] == answers(client_of(local).chat.completions.create(**{**kwargs, "messages": turn2}))[0]
         stats = httpx.get(there.base_url + "/cache/stats").json()
         assert stats["vision_cache"]["enabled"] and stats["prefix_cache"]["hits"] >= 1
+
+        # A video: its frame groups cross the pipe with their pixels, then (cached) without them.
+        clip = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": video_url(5)}},
+                                             {"type": "text", "text": "What happens?"}]}]
+        want = client_of(local).chat.completions.create(**{**kwargs, "messages": clip})
+        for turn in range(2):
+            got = client_of(there).chat.completions.create(**{**kwargs, "messages": clip})
+            assert answers(got)[0] == answers(want)[0] and got.usage.prompt_tokens == want.usage.prompt_tokens
+        assert got.usage.prompt_tokens_details.cached_tokens >= 16
     finally:
         there.close()
         local.close()
