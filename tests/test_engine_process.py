@@ -192,6 +192,25 @@ def test_a_vision_language_model_answers_as_in_process_and_caches_its_images(tin
         local.close()
 
 
+def test_a_failure_on_the_servers_side_of_a_launch_stops_the_child(monkeypatch):
+    """The child has loaded the model when the server's process builds its side (tokenizer, a
+    VLM's adapter): if that fails, the child must not stay behind holding the model's memory."""
+    import multiprocessing
+
+    from mlxserve.config import EngineConfig, ModelConfig
+    from mlxserve.engine import process
+
+    def broken(meta):
+        raise RuntimeError("no tokenizer here")
+
+    monkeypatch.setattr(process, "_parent_loaded", broken)
+    before = set(multiprocessing.active_children())
+    with pytest.raises(RuntimeError, match="no tokenizer here"):
+        process.ProcessEngine.launch(ModelConfig(model=MODEL, load_format="dummy"),
+                                     EngineConfig(engine_process=True, prefix_cache=False, warmup=0))
+    assert set(multiprocessing.active_children()) <= before
+
+
 def test_step_outputs_that_do_not_pickle_fail_their_requests_instead_of_hanging():
     """The child's sender: a step's outputs that cannot cross the pipe end those requests with
     the error (their callers would otherwise wait for ever), and later messages still go."""

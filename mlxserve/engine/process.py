@@ -70,7 +70,14 @@ class ProcessEngine(AsyncEngine):
         if kind == "failed":
             exited(process, 10)
             raise payload
-        return cls(_parent_loaded(payload), engine_cfg, process, conn, payload)
+        try:
+            loaded = _parent_loaded(payload)
+        except BaseException:  # the child would hold the model's memory with nobody to stop it
+            conn.send_bytes(pickle.dumps(("stop",)))
+            if not exited(process, STOP_TIMEOUT_S):
+                process.kill()
+            raise
+        return cls(loaded, engine_cfg, process, conn, payload)
 
     def __init__(self, loaded, config, process, conn, meta: dict):
         super().__init__(loaded, config)
