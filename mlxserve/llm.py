@@ -7,6 +7,9 @@ with continuous batching.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 from mlxserve.config import EngineConfig, ModelConfig, split_kwargs
@@ -46,6 +49,29 @@ async def collect(stream, prompt_tokens: int) -> CompletionOutput:
     return out
 
 
+_open: "weakref.WeakSet[LLM]" = weakref.WeakSet()
+
+
+def _stop_at_exit(llm: "LLM") -> None:
+    if not _open:
+        atexit.unregister(_at_exit)  # once, however many LLMs come and go
+        atexit.register(_at_exit)
+    _open.add(llm)
+
+
+def _at_exit() -> None:
+    """Before the interpreter's teardown: stop the engines left open (their threads release their
+    MLX streams as they end), then release the main thread's (loading made some). MLX leaves each
+    thread's streams to that thread (ml-explore/mlx#4327); a script that just ended with an LLM
+    still open aborted at exit, code 134."""
+    import mlx.core as mx
+
+    for llm in list(_open):
+        llm.close()
+    if threading.current_thread() is threading.main_thread():
+        mx.clear_streams()
+
+
 class LLM:
     """Load a model and generate from it in-process.
 
@@ -69,6 +95,7 @@ class LLM:
                        dtype=model_cfg.dtype, quantize_bits=model_cfg.quantize, seed=model_cfg.dummy_seed)
         self.tokenizer = self.loaded.tokenizer
         self.engine = AsyncEngine(self.loaded, engine_cfg).start()
+        _stop_at_exit(self)
 
     def close(self) -> None:
         self.engine.stop()

@@ -31,3 +31,16 @@ def test_serve_warns_when_mlx_runs_on_the_reference_blas():
     if sys.platform.startswith("linux") and _find_openblas():  # loaded: no warning
         out = mlxserve("serve", "/no/such/model")
         assert out.returncode == 2 and "reference BLAS" not in out.stderr
+
+
+def test_a_script_using_llm_exits_cleanly_without_closing_it():
+    """The README's Python example as a script: an LLM left open, then the interpreter's exit.
+    MLX leaves each thread's streams to that thread; without mlxserve releasing them the process
+    aborted at exit (134, "terminate called without an active exception"), every run here."""
+    script = ("from mlxserve import LLM, SamplingParams\n"
+              "llm = LLM('qwen3-tiny', load_format='dummy')\n"
+              "out = llm.generate(['hello'], SamplingParams(max_tokens=3, temperature=0))\n"
+              "print(len(out[0].token_ids))\n")
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == "3", (out.returncode, out.stderr[-500:])

@@ -458,6 +458,7 @@ class AsyncEngine:
             gc.collect()
             if scheduler_ran:  # a failed start queued no GPU work; synchronizing anyway made the
                 _finish_gpu_work()  # process abort at exit in MLX's teardown (ml-explore/mlx#3126)
+            _release_streams()
             # Nobody will run what is still queued: don't leave callers waiting.
             while True:
                 try:
@@ -577,6 +578,18 @@ def _finish_gpu_work() -> None:
         mx.synchronize()
     except Exception:  # noqa: BLE001 - the thread is ending anyway
         log.exception("waiting for GPU work at engine stop")
+
+
+def _release_streams() -> None:
+    """Destroy the MLX streams this thread made. MLX keeps streams per thread and leaves their
+    teardown to each thread (ml-explore/mlx#4327): left to the interpreter's exit, it aborts
+    the process ("terminate called without an active exception", exit code 134)."""
+    import mlx.core as mx
+
+    try:
+        mx.clear_streams()
+    except Exception:  # noqa: BLE001 - the thread is ending anyway
+        log.exception("releasing the engine thread's MLX streams")
 
 
 def _runtime() -> str:
