@@ -421,7 +421,7 @@ def add_arguments(parser: argparse.ArgumentParser, *config_classes, positional: 
             if f.name in exclude:
                 continue
             meta = f.metadata
-            kwargs = {"help": meta["help"].replace("%", "%%")}  # argparse %-formats help
+            kwargs = {"help": meta["help"].replace("%", "%%") + _default_note(f.default, meta["help"])}
             if "choices" in meta:
                 kwargs["choices"] = meta["choices"]
             default = f.default
@@ -437,6 +437,15 @@ def add_arguments(parser: argparse.ArgumentParser, *config_classes, positional: 
                 parser.add_argument(f.name, nargs=nargs, default=default, type=kind, **kwargs)
             else:
                 parser.add_argument(_flag(f.name), dest=f.name, default=default, type=kind, **kwargs)
+
+
+def _default_note(default, help_text: str) -> str:
+    """" (default: X)" for --help, unless there is none to show or the help already says it."""
+    if default is None or "default" in help_text.lower():
+        return ""
+    if isinstance(default, bool):
+        return f" (default: {'on' if default else 'off'})"
+    return f" (default: {default})".replace("%", "%%")
 
 
 def from_namespace(cls, namespace: argparse.Namespace):

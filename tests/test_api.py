@@ -720,6 +720,11 @@ def test_docs_examples(server):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "generated tokens]" in out.stdout
+    model = httpx.get(server.base_url + "/models").json()["data"][0]["id"]
+    out = subprocess.run([sys.executable, str(ROOT / "docs/examples/anthropic_messages.py")],
+                         env={**env, "MLXSERVE_MODEL": model}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "output tokens, stop: " in out.stdout
 
 
 def test_bench_serve(server, tmp_path):

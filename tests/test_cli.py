@@ -44,3 +44,12 @@ def test_a_script_using_llm_exits_cleanly_without_closing_it():
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and out.stdout.strip() == "3", (out.returncode, out.stderr[-500:])
+
+
+def test_serve_help_shows_each_settings_default():
+    out = mlxserve("serve", "--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())  # argparse wraps lines
+    assert "Port to listen on. (default: 8000)" in text
+    assert "Most sequences decoded together in one batch. (default: 32)" in text
+    assert "chain-hashed blocks). (default: on)" in text
