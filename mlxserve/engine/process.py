@@ -73,9 +73,14 @@ class ProcessEngine(AsyncEngine):
         try:
             loaded = _parent_loaded(payload)
         except BaseException:  # the child would hold the model's memory with nobody to stop it
-            conn.send_bytes(pickle.dumps(("stop",)))
+            try:
+                conn.send_bytes(pickle.dumps(("stop",)))
+            except OSError:
+                pass
             if not exited(process, STOP_TIMEOUT_S):
                 process.kill()
+                exited(process, 5)
+            process.join(1)  # reaped, where no event loop has reaped it already
             raise
         return cls(loaded, engine_cfg, process, conn, payload)
 
