@@ -53,3 +53,18 @@ def test_serve_help_shows_each_settings_default():
     assert "Port to listen on. (default: 8000)" in text
     assert "Most sequences decoded together in one batch. (default: 32)" in text
     assert "chain-hashed blocks). (default: on)" in text
+
+
+def test_bench_exact_finds_no_token_changed_by_a_batch_or_the_cache_here(tmp_path):
+    """`bench exact` on this CPU (float32, the tests' backend): batches and cache hits leave every
+    greedy token as it was; its report is written."""
+    import json
+
+    out = mlxserve("bench", "exact", "--models", "dummy:qwen3-tiny", "--prompts", "3", "--output-len", "12",
+                   "--out-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    (result,) = json.loads(next(tmp_path.glob("exact-*.json")).read_text())["results"]
+    assert result["hit_tokens"] > 0  # turn 2 did come from the cache
+    assert result["rows"] == {"alone, twice": [], "alone vs a batch of 3": [], "turn 1, prefix cache on vs off": [],
+                              "turn 2 from turn 1's cache vs uncached": []}
+    assert "| alone vs a batch of 3 | 0 of 3 | - |" in out.stdout

@@ -1,8 +1,9 @@
-"""Benchmarks: `mlxserve bench engine | decode | serve | prefix | multimodal | grammar | crash | soak | spec | warmup`."""
+"""Benchmarks: `mlxserve bench engine | decode | serve | http | prefix | multimodal | grammar | exact | crash
+| soak | spec | warmup`."""
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import crash, decode, engine, grammar, http, multimodal, prefix, serve, soak, spec, warmup
+    from mlxserve.bench import crash, decode, engine, exact, grammar, http, multimodal, prefix, serve, soak, spec, warmup
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
@@ -12,6 +13,7 @@ def add_bench_parsers(parser) -> None:
     prefix.add_parser(sub)
     multimodal.add_parser(sub)
     grammar.add_parser(sub)
+    exact.add_parser(sub)
     crash.add_parser(sub)
     soak.add_parser(sub)
     spec.add_parser(sub)
