@@ -41,14 +41,12 @@ def parting(a: list[list[int]], b: list[list[int]]) -> list[int]:
 
 def _decode_all(engine, prompts, n_out: int, together: bool) -> list[list[int]]:
     from mlxserve.engine.request import Request, SamplingParams
+    from mlxserve.llm import collect
 
     params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
 
     async def one(ids):
-        tokens = []
-        async for out in engine.submit(Request(list(ids), params)):
-            tokens += out.new_token_ids
-        return tokens
+        return (await collect(engine.submit(Request(list(ids), params)), len(ids))).token_ids
 
     async def all_of():
         if together:
