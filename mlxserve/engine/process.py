@@ -77,9 +77,7 @@ class ProcessEngine(AsyncEngine):
                 conn.send_bytes(pickle.dumps(("stop",)))
             except OSError:
                 pass
-            if not exited(process, STOP_TIMEOUT_S):
-                process.kill()
-                exited(process, 5)
+            stop_child(process, STOP_TIMEOUT_S)
             process.join(1)  # reaped, where no event loop has reaped it already
             raise
         return cls(loaded, engine_cfg, process, conn, payload)
@@ -115,17 +113,7 @@ class ProcessEngine(AsyncEngine):
             self._send(("stop",))
         except EngineDeadError:
             pass
-        if not exited(self._process, timeout):
-            log.warning("the engine process did not stop within %.0f s: killing it (its threads' stacks "
-                        "follow)", timeout)
-            try:
-                if hasattr(signal, "SIGUSR1"):  # faulthandler in the child prints them
-                    os.kill(self._process.pid, signal.SIGUSR1)
-                    exited(self._process, 1)
-                self._process.kill()
-            except ProcessLookupError:
-                pass
-            exited(self._process, 5)
+        stop_child(self._process, timeout)
         self._thread.join(5)
 
     @property
@@ -249,6 +237,21 @@ class _Commands:
                 pass  # its stream ends through the reader's _fail_all
         else:
             raise ValueError(f"an engine process takes no {kind!r} command")
+
+
+def stop_child(process, timeout: float) -> None:
+    """Wait up to `timeout` s for a child told to stop; then kill it, its threads' stacks printed first."""
+    if exited(process, timeout):
+        return
+    log.warning("the engine process did not stop within %.0f s: killing it (its threads' stacks follow)", timeout)
+    try:
+        if hasattr(signal, "SIGUSR1"):  # faulthandler in the child prints them
+            os.kill(process.pid, signal.SIGUSR1)
+            exited(process, 1)
+        process.kill()
+    except ProcessLookupError:
+        pass
+    exited(process, 5)
 
 
 def exited(process, timeout: float = 0) -> bool:
