@@ -85,6 +85,13 @@ class EngineConfig:
     default_max_tokens: int = setting(
         4096, "Output tokens of a request that names no limit (capped by the context)."
     )
+    strict_max_tokens: bool = setting(
+        False,
+        "Refuse (HTTP 400) a request whose prompt plus max_tokens exceeds the context, as OpenAI "
+        "and vLLM do. Off, max_tokens is capped at what the context leaves and the answer ends "
+        "with finish_reason length (stop_reason max_tokens) there, as llama.cpp's server does: "
+        "agents ask for more than a local model holds (Claude Code sends max_tokens 32000-128000).",
+    )
     prefix_cache: bool = setting(
         True, "Reuse the KV cache of shared prompt prefixes (paged, chain-hashed blocks)."
     )
@@ -275,6 +282,13 @@ class PoolConfig:
         "pinned, ttl and the model and engine settings (load_format, dtype, kv_bits, cache_memory, "
         "...); what a table leaves out comes from the command line's flags.",
     )
+    alias: str | None = setting(
+        None,
+        "Other model names requests may use, comma-separated: NAME or PATTERN (shell-style, e.g. "
+        "'claude-*') for the first model, NAME=MODEL for another. Agents ask for the names they "
+        "know (Claude Code for claude-*, Codex for gpt-5*); --alias 'claude-*,gpt-*' serves them "
+        "the default model. Unknown names still get a 404.",
+    )
     max_loaded_models: int | None = setting(
         None,
         "Most models loaded at once. A request for another model unloads the least recently used "
@@ -309,6 +323,10 @@ class ModelEntry:
     alias: str | None = setting(
         None, "The name requests use for it. Default: its source's name (the first model: --served-model-name)."
     )
+    aliases: str | None = setting(
+        None, "Other names requests may use for it, comma-separated (a list in the file); shell "
+        "patterns match many: 'claude-*, gpt-5*'."
+    )
     pinned: bool = setting(False, "Loaded at start and never unloaded for room or idleness.")
     ttl: float | None = setting(None, "Its idle seconds before it is unloaded. Default: --model-ttl.")
 
@@ -341,7 +359,8 @@ def served_models(sources, model_cfg: ModelConfig, engine_cfg: EngineConfig, ser
         parts = {}
         for cls, base in ((ModelEntry, ModelEntry()), (ModelConfig, model_cfg), (EngineConfig, engine_cfg)):
             names = {f.name: f for f in dataclasses.fields(cls)}
-            given = {k: _checked(names[k], v, f"{where}.{k}") for k, v in table.items() if k in names}
+            given = {k: _checked(names[k], _joined(v) if k == "aliases" else v, f"{where}.{k}")
+                     for k, v in table.items() if k in names}
             parts[cls] = dataclasses.replace(base, **given)
         known = {f.name for cls in parts for f in dataclasses.fields(cls)}
         unknown = sorted(set(table) - known)
@@ -384,6 +403,13 @@ def read_models_file(path: str) -> list:
     if not isinstance(models, list) or not models:
         raise ValueError(f"--config {path}: `models` must be a non-empty list of tables")
     return models
+
+
+def _joined(value):
+    """A list of names in a file (aliases = ["claude-*", "gpt-5*"]) as the setting's comma form."""
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)
+    return value
 
 
 _TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}

@@ -449,8 +449,12 @@ def test_error_shapes(server, client, http):
     assert r.status_code == 200
 
     ctx = server.engine.max_model_len
-    with pytest.raises(openai.BadRequestError) as e:
-        chat(client, max_tokens=ctx)
+    server.engine.config.strict_max_tokens = True  # by default such a max_tokens is capped
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, max_tokens=ctx)
+    finally:
+        server.engine.config.strict_max_tokens = False
     assert e.value.code == "context_length_exceeded" and str(ctx) in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=[5] * ctx, max_tokens=1)

@@ -50,8 +50,9 @@ def site(tmp_path_factory):
 def bad_server(tiny, site):
     from conftest import LiveServer
 
+    # strict_max_tokens: a max_tokens past the context is refused here (capped by default).
     live = LiveServer(tiny(MODEL), EngineConfig(block_size=16, max_model_len=CONTEXT, max_num_seqs=4, max_queue=4,
-                                                default_max_tokens=4),
+                                                default_max_tokens=4, strict_max_tokens=True),
                       ServerConfig(max_request_bytes=BODY_LIMIT, allowed_local_media_path=str(site["root"]),
                                    max_media_bytes=300_000, max_image_pixels=1_000_000))
     yield live
@@ -194,7 +195,7 @@ CASES = [
     Case("no-role", CHAT, {"messages": [{"content": "x"}]}, 400, "required", param="messages[0].role"),
     Case("user-content-null", CHAT, {"messages": [{"role": "user", "content": None}]}, 400, "required",
          param="messages[0].content"),
-    Case("system-role-anthropic", MSG, anthropic(messages=[{"role": "system", "content": "x"}]), 400, "role"),
+    Case("tool-role-anthropic", MSG, anthropic(messages=[{"role": "tool", "content": "x"}]), 400, "role"),
     Case("empty-content-anthropic", MSG, anthropic(messages=[{"role": "user", "content": []}]), 400,
          "non-empty content"),
     Case("empty-string-anthropic", MSG, anthropic(messages=[{"role": "user", "content": ""}]), 400,
@@ -256,8 +257,10 @@ CASES = [
     Case("tool-schema-malformed-responses", RESP, {"input": "hi", "tools": [
         {"type": "function", "name": "f", "parameters": BAD_SCHEMA}]}, 400, "not a valid JSON schema",
         param="tools[0].parameters"),
-    Case("server-tool-responses", RESP, {"input": "hi", "tools": [{"type": "web_search"}]}, 400, "web_search",
-         param="tools[0].type"),
+    # A hosted tool is left out of the prompt (agents send web_search); forcing one is refused.
+    Case("server-tool-forced-responses", RESP, {"input": "hi", "tools": [{"type": "web_search"}],
+                                                "tool_choice": {"type": "web_search"}}, 400, "web_search",
+         param="tool_choice"),
     # -- images that are not images, bombs, truncated files --
     Case("image-not-an-image", CHAT, chat_image(png_data_url(b"hello, not a picture")), 400, "not an image",
          param="messages[0].content[0]"),

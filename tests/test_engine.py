@@ -275,7 +275,8 @@ def test_invalid_sampling_values_name_the_field(field, value):
 
 
 def test_prompt_over_context_is_refused_before_compute(tiny):
-    engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig(max_model_len=64)).start()
+    # strict_max_tokens: prompt + max_tokens past the context is refused too (capped by default).
+    engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig(max_model_len=64, strict_max_tokens=True)).start()
     try:
         async def submit(prompt, n):
             return engine.submit(Request(prompt, SamplingParams(max_tokens=n)))

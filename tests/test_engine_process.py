@@ -113,7 +113,8 @@ def test_pins_and_bad_input_through_the_pipe(remote):
     assert httpx.delete(remote.url + f"/v1/cache/pin/{pin['id']}").json()["deleted"]
     client = client_of(remote)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        client.completions.create(model=MODEL, prompt=[5] * 10, max_tokens=10**7)
+        client.completions.create(model=MODEL, prompt=[5] * (remote.pool.default.engine.max_model_len + 1),
+                                  max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"99999999": 5})
     health = httpx.get(remote.url + "/health").json()

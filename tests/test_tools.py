@@ -305,10 +305,11 @@ def test_anthropic_client_tools_and_results(server):
     ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
     ({"tool_choice": {"type": "tool", "name": "g"}}, "tool_choice"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}],
+      "tool_choice": {"type": "tool", "name": "web_search"}}, "tool_choice.name"),
     ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "tools.0.input_schema"),
 ])
-def test_anthropic_refuses_bad_tool_choice_and_server_tools(server, extra, where):
+def test_anthropic_refuses_bad_tool_choice_and_forced_server_tools(server, extra, where):
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"name": "f", "input_schema": {"type": "object"}}], **extra}
     r = httpx.post(server.url + "/v1/messages", json=body, timeout=60)

@@ -12,13 +12,13 @@ from fastapi.responses import JSONResponse, Response
 from mlxserve.api.anthropic_schema import CountTokensRequest, MessagesRequest, Conversation
 from mlxserve.api import images
 from mlxserve.api.constraints import anthropic_grammar, constrain, forces_calls
-from mlxserve.api.errors import APIError, bad_request, error_body, from_engine
+from mlxserve.api.errors import APIError, bad_request, error_body, from_engine, ignored_once
 from mlxserve.api.generate import Choice, ClientGone, ModelState, Run, collect
 from mlxserve.api.models import served
 from mlxserve.api import thinking
 from mlxserve.api.openai_routes import CLIENT_CLOSED
 from mlxserve.api.reasoning import ReasoningSplitter
-from mlxserve.api.sse import SSEResponse, dumps, event
+from mlxserve.api.sse import SSEResponse, dumps, event, with_heartbeats
 from mlxserve.api.tokens import render
 from mlxserve.api.tool_calls import ToolCall, ToolCallStream, anthropic_tool_use, check_tool_schema, split_text
 from mlxserve.engine.request import Request as EngineRequest
@@ -50,9 +50,12 @@ def check_tools(body: Conversation) -> None:
         raise bad_request(f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got {choice!r}",
                           "tool_choice.type")
     for j, tool in enumerate(body.tools or []):
-        if tool.type not in (None, "custom"):
-            raise bad_request(f"tools.{j}: server tools ({tool.type!r}) are not supported; "
-                              "only client tools with an input_schema", f"tools.{j}.type")
+        if not client_tool(tool):
+            if choice == "tool" and (body.tool_choice or {}).get("name") == tool.name:
+                raise bad_request(f"tool_choice.name: {tool.name!r} is a server tool ({tool.type}), "
+                                  "which this server cannot run", "tool_choice.name")
+            ignored_once(f"Anthropic server tool {tool.type!r}: left out of the prompt")
+            continue
         # Anthropic requires an object schema: a tool's input is always a JSON object.
         if not isinstance(tool.input_schema, dict) or tool.input_schema.get("type") != "object":
             raise bad_request(f"tools.{j}.input_schema: must be a JSON schema of type 'object'",
@@ -60,13 +63,19 @@ def check_tools(body: Conversation) -> None:
         check_tool_schema(tool.input_schema, f"tools.{j}.input_schema")
 
 
+def client_tool(tool) -> bool:
+    """A tool the client runs (type absent or custom); server tools (web_search_20250305,
+    code_execution, ...) run on Anthropic's side, which this server is not."""
+    return tool.type in (None, "custom")
+
+
 def template_tools(body: Conversation) -> list[dict] | None:
-    """Anthropic tools as the OpenAI-style function tools chat templates are written for."""
+    """Anthropic's client tools as the OpenAI-style function tools chat templates are written for."""
     if not body.tools or (body.tool_choice or {}).get("type") == "none":
         return None
     return [{"type": "function", "function": {
         "name": t.name, **({"description": t.description} if t.description else {}),
-        "parameters": t.input_schema}} for t in body.tools]
+        "parameters": t.input_schema}} for t in body.tools if client_tool(t)] or None
 
 
 def block_text(content, where: str, placeholders=None) -> str:
@@ -143,6 +152,8 @@ async def prompt_ids(state: ModelState, body: Conversation) -> tuple[list[int], 
         where = f"messages.{i}.content"
         if m.role == "user":
             messages += user_messages(m.content, where, placeholders)
+        elif m.role == "system":
+            messages.append({"role": "system", "content": block_text(m.content, where)})
         else:
             messages.append(assistant_message(m.content, where))
     # Anthropic continues a final assistant message instead of starting a new turn.
@@ -178,12 +189,19 @@ def response_content(choice: Choice, syntax, tools, splitter: ReasoningSplitter 
             *(anthropic_tool_use(c) for c in calls)], True
 
 
-def usage(choice: Choice) -> dict:
-    # Anthropic's input_tokens excludes the tokens read from the cache.
-    return {"input_tokens": choice.prompt_tokens - choice.cached_tokens,
+def usage(choice: Choice, caching: bool) -> dict:
+    """Anthropic's usage: input_tokens excludes the tokens read from the cache. With the prefix
+    cache on, every prompt token it did not serve was prefilled and is stored (whole blocks and
+    the prompt's tail), so those are the cache's creation; with it off there is none."""
+    new = choice.prompt_tokens - choice.cached_tokens
+    return {"input_tokens": new,
             "output_tokens": choice.completion_tokens,
             "cache_read_input_tokens": choice.cached_tokens,
-            "cache_creation_input_tokens": 0}
+            "cache_creation_input_tokens": new if caching else 0}
+
+
+def caches_prompts(state: ModelState) -> bool:
+    return bool(state.engine.config.prefix_cache)
 
 
 @router.post("/v1/messages")
@@ -224,7 +242,8 @@ async def messages(body: MessagesRequest, request: Request):
     splitter = state.reasoning.splitter(prompt) if state.reasoning else None
     if body.stream:
         stream = ToolCallStream(syntax, tools, forces_calls(grammar)) if tools else None
-        return SSEResponse(message_events(run, head, len(prompt), stream, splitter), run)
+        return SSEResponse(message_events(run, head, len(prompt), stream, splitter,
+                                          caches_prompts(state)), run)
     try:
         (choice,) = await collect(run, request)
     except ClientGone:
@@ -236,7 +255,7 @@ async def messages(body: MessagesRequest, request: Request):
         "content": content,
         "stop_reason": reason,
         "stop_sequence": sequence,
-        "usage": usage(choice),
+        "usage": usage(choice, caches_prompts(state)),
     })
 
 
@@ -319,7 +338,7 @@ class BlockEvents:
 
 
 async def message_events(run: Run, head: dict, prompt_tokens: int, stream: ToolCallStream | None,
-                         splitter: ReasoningSplitter | None = None):
+                         splitter: ReasoningSplitter | None = None, caching: bool = True):
     # Sent before the first token, so cached tokens are not known yet; message_delta
     # carries the final input and cache counts (as Anthropic's own stream does).
     start_usage = {"input_tokens": prompt_tokens, "output_tokens": 0,
@@ -337,7 +356,11 @@ async def message_events(run: Run, head: dict, prompt_tokens: int, stream: ToolC
             for e in blocks.open_text():
                 yield e
         yield event({"type": "ping"}, "ping")
-        async for _, out in run:
+        async for item in with_heartbeats(run):
+            if item is None:
+                yield event({"type": "ping"}, "ping")
+                continue
+            out = item[1]
             choice.add(out)
             reasoning, text = ("", out.new_text) if splitter is None else \
                 splitter.feed(out.new_text, out.new_token_ids, out.finished)
@@ -350,7 +373,7 @@ async def message_events(run: Run, head: dict, prompt_tokens: int, stream: ToolC
         for e in blocks.close():
             yield e
         yield event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                     "usage": usage(choice)}, "message_delta")
+                     "usage": usage(choice, caching)}, "message_delta")
         yield event({"type": "message_stop"}, "message_stop")
     except APIError as e:
         yield event(error_body(e, anthropic=True), "error")

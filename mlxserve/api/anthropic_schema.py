@@ -45,7 +45,8 @@ class Tool(_Body):
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code puts system content among the messages; taken at its place.
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 

@@ -49,6 +49,17 @@ ANTHROPIC_TYPES = {
 }
 
 
+_IGNORED: set[str] = set()
+
+
+def ignored_once(what: str) -> None:
+    """Log, once per server, a request part this server accepts but cannot act on (a hosted
+    tool, an unknown field an agent sends): refusing it would break the agent for nothing."""
+    if what not in _IGNORED:
+        _IGNORED.add(what)
+        log.info("accepted and ignored (logged once): %s", what)
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, headers: dict | None = None):

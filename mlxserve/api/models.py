@@ -31,7 +31,8 @@ def entry_of(state: ServerState, name: str | None):
     entry = state.pool.get(name)
     if entry is None:
         names = ", ".join(f"'{n}'" for n in state.pool.entries)
-        raise APIError(404, f"The model '{name}' does not exist; this server serves {names}.",
+        raise APIError(404, f"The model '{name}' does not exist; this server serves {names} "
+                       "(--alias gives a model more names, e.g. 'claude-*').",
                        param="model", code="model_not_found")
     return entry
 
@@ -68,7 +69,8 @@ def model_card(state: ServerState, entry) -> dict:
     """OpenAI's model object, with where the model stands (state, pinned, requests, ...)."""
     engine = entry.engine
     return {"id": entry.name, "object": "model", "created": state.started, "owned_by": "mlxserve",
-            "max_model_len": engine.max_model_len if engine is not None else None, **entry.describe()}
+            "max_model_len": engine.max_model_len if engine is not None else None,
+            "aliases": state.pool.aliases_of(entry), **entry.describe()}
 
 
 @router.get("/v1/models")

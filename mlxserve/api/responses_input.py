@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from mlxserve.api.errors import APIError, bad_request
+from mlxserve.api.errors import APIError, bad_request, ignored_once
 from mlxserve.api.openai_schema import (
     ChatCompletionRequest,
     ChatMessage,
@@ -112,15 +112,21 @@ def normalize(item: InputItem, where: str) -> dict:
         name = require(item.name, f"{where}.name")
         args = require(item.arguments, f"{where}.arguments")
         parse_arguments(args, f"{where}.arguments")
-        return {"type": "function_call", "id": item.id or item_id("fc"),
-                "call_id": require(item.call_id, f"{where}.call_id"), "name": name,
-                "arguments": args, "status": "completed"}
-    if kind == "function_call_output":
+        out = {"type": "function_call", "id": item.id or item_id("fc"),
+               "call_id": require(item.call_id, f"{where}.call_id"), "name": name,
+               "arguments": args, "status": "completed"}
+        return {**out, "namespace": item.namespace} if item.namespace else out
+    if kind == "custom_tool_call":
+        return {"type": "custom_tool_call", "id": item.id or item_id("ctc"),
+                "call_id": require(item.call_id, f"{where}.call_id"),
+                "name": require(item.name, f"{where}.name"), "input": require(item.input, f"{where}.input"),
+                "status": "completed"}
+    if kind in ("function_call_output", "custom_tool_call_output"):
         call = require(item.call_id, f"{where}.call_id")
         output = require(item.output, f"{where}.output")
         if not isinstance(output, str):
             output = [text_part(p, f"{where}.output[{j}]") for j, p in enumerate(output)]
-        return {"type": "function_call_output", "id": item.id or item_id("fco"), "call_id": call,
+        return {"type": kind, "id": item.id or item_id("fco"), "call_id": call,
                 "output": output, "status": "completed"}
     if kind == "reasoning":
         out = {"type": "reasoning", "id": item.id or item_id("rs"), "summary": item.summary or []}
@@ -134,7 +140,8 @@ def normalize(item: InputItem, where: str) -> dict:
         raise bad_request(f"{where}: item references are not supported; send the item itself, "
                           "or continue a stored response with previous_response_id", f"{where}.type")
     raise bad_request(f"{where}.type: items of type {kind!r} are not supported; this server takes "
-                      "message, function_call, function_call_output and reasoning items",
+                      "message, function_call, function_call_output, custom_tool_call, "
+                      "custom_tool_call_output and reasoning items",
                       f"{where}.type")
 
 
@@ -211,16 +218,18 @@ def chat_messages(items: list[dict], first_new: int, instructions: str | None) -
         kind = item["type"]
         if kind == "message":
             out.append(ChatMessage(role=item["role"], content=message_content(item)))
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             calls.add(item["call_id"])
-            call = ToolCall(id=item["call_id"], function=FunctionCall(name=item["name"],
-                                                                      arguments=item["arguments"]))
+            # A custom tool's text input is shown as the one argument its template tool has.
+            arguments = item["arguments"] if kind == "function_call" else \
+                json.dumps({CUSTOM_INPUT: item["input"]}, ensure_ascii=False)
+            call = ToolCall(id=item["call_id"], function=FunctionCall(name=item["name"], arguments=arguments))
             last = out[-1] if out else None
             if last is not None and last.role == "assistant":
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if item["call_id"] not in calls:
                 raise bad_request(f"{where}.call_id: no function_call with call_id "
                                   f"{item['call_id']!r} comes before this output", f"{where}.call_id")
@@ -254,20 +263,74 @@ def image_sources(items: list[dict], first_new: int) -> list[tuple[str, str, str
     return out
 
 
-def chat_tools(body: ResponsesRequest) -> list[Tool] | None:
-    """Responses' flat function tools in the chat shape; other tool types are refused."""
-    if not body.tools:
-        return None
-    tools = []
-    for j, t in enumerate(body.tools):
-        if t.type != "function":
-            raise bad_request(f"tools[{j}].type: {t.type!r} tools are not supported; this server "
-                              "runs function tools only", f"tools[{j}].type")
-        name = require(t.name, f"tools[{j}].name")
-        check_tool_schema(t.parameters, f"tools[{j}].parameters")
+@dataclass
+class ToolKind:
+    """What a tool the template shows as a function is, for the output item of its call."""
+
+    type: str  # "function" or "custom"
+    namespace: str | None = None
+
+
+def chat_tools(body: ResponsesRequest) -> tuple[list[Tool] | None, dict[str, ToolKind]]:
+    """Responses' tools as chat function tools, and each one's kind by name.
+
+    A namespace's function tools are served as functions of their own names (its
+    calls come back as function_call items naming the namespace); a custom tool
+    as a function of one string argument, its text input; hosted tools
+    (web_search, file_search, code_interpreter, computer_use, mcp, ...) run on
+    OpenAI's side, so they are left out of the prompt.
+    """
+    tools, kinds = [], {}
+
+    def add(t, where: str, namespace: str | None = None) -> None:
+        name = require(t.name, f"{where}.name")
+        if name in kinds:
+            raise bad_request(f"{where}.name: two tools are named {name!r}", f"{where}.name")
+        if t.type == "custom":
+            parameters = custom_parameters(t, where)
+        else:
+            check_tool_schema(t.parameters, f"{where}.parameters")
+            parameters = t.parameters
+        kinds[name] = ToolKind(t.type, namespace)
         tools.append(Tool(type="function", function=FunctionDefinition(
-            name=name, description=t.description, parameters=t.parameters, strict=t.strict)))
-    return tools
+            name=name, description=t.description, parameters=parameters, strict=t.strict)))
+
+    for j, t in enumerate(body.tools or []):
+        where = f"tools[{j}]"
+        if t.type in ("function", "custom"):
+            add(t, where)
+        elif t.type == "namespace":
+            namespace = require(t.name, f"{where}.name")
+            for k, inner in enumerate(t.tools or []):
+                if inner.type not in ("function", "custom"):
+                    raise bad_request(f"{where}.tools[{k}].type: a namespace holds function and "
+                                      f"custom tools, not {inner.type!r}", f"{where}.tools[{k}].type")
+                add(inner, f"{where}.tools[{k}]", namespace)
+        else:
+            ignored_once(f"Responses hosted tool {t.type!r}: left out of the prompt (it runs on "
+                         "OpenAI's side)")
+    return tools or None, kinds
+
+
+# The argument a custom tool's text input is shown as, to templates made for function tools.
+CUSTOM_INPUT = "input"
+
+
+def custom_parameters(tool, where: str) -> dict:
+    """A custom tool's one string argument, its grammar (if any) in its description."""
+    fmt = tool.format or {"type": "text"}
+    if fmt.get("type") not in ("text", "grammar"):
+        raise bad_request(f"{where}.format.type: must be 'text' or 'grammar'", f"{where}.format.type")
+    prop = {"type": "string", "description": "The tool's input: plain text, not JSON."}
+    if fmt["type"] == "grammar":
+        if fmt.get("syntax") not in ("lark", "regex") or not isinstance(fmt.get("definition"), str):
+            raise bad_request(f"{where}.format: a grammar is {{'syntax': 'lark' | 'regex', "
+                              "'definition': '...'}", f"{where}.format")
+        prop["description"] = f"The tool's input, in this {fmt['syntax']} grammar:\n{fmt['definition']}"
+        if fmt["syntax"] == "regex":  # a forced call's grammar holds the input to it (llguidance);
+            prop["pattern"] = f"^(?:{fmt['definition']})$"  # JSON Schema's patterns are unanchored
+    return {"type": "object", "properties": {CUSTOM_INPUT: prop}, "required": [CUSTOM_INPUT],
+            "additionalProperties": False}
 
 
 def chat_constraints(body: ResponsesRequest) -> tuple[str | dict | None, dict | None]:
@@ -278,6 +341,8 @@ def chat_constraints(body: ResponsesRequest) -> tuple[str | dict | None, dict | 
     """
     choice = body.tool_choice
     if isinstance(choice, dict):
+        if choice.get("type") == "custom":  # a custom tool is a function in the template
+            choice = {**choice, "type": "function"}
         if choice.get("type") != "function":
             raise bad_request(f"tool_choice: type {choice.get('type')!r} is not supported; use "
                               "'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
@@ -310,10 +375,10 @@ def reasoning_effort(body: ResponsesRequest) -> str | None:
     return effort
 
 
-def chat_request(body: ResponsesRequest, messages: list[ChatMessage]) -> ChatCompletionRequest:
-    """The chat-completions request this Responses request amounts to."""
+def chat_request(body: ResponsesRequest, messages: list[ChatMessage],
+                 tools: list[Tool] | None) -> ChatCompletionRequest:
+    """The chat-completions request this Responses request amounts to (`tools`: chat_tools')."""
     tool_choice, response_format = chat_constraints(body)
-    tools = chat_tools(body)
     try:
         return ChatCompletionRequest(
             messages=messages,

@@ -31,10 +31,13 @@ from mlxserve.api.openai_routes import (
     template_message,
 )
 from mlxserve.api.responses_input import (
+    CUSTOM_INPUT,
     ResponseStore,
     Stored,
+    ToolKind,
     chat_messages,
     chat_request,
+    chat_tools,
     image_sources,
     input_items,
     item_id,
@@ -42,7 +45,7 @@ from mlxserve.api.responses_input import (
     previous_conversation,
 )
 from mlxserve.api.responses_schema import ResponsesRequest
-from mlxserve.api.sse import SSEResponse, event
+from mlxserve.api.sse import SSEResponse, event, with_heartbeats
 from mlxserve.api.tokens import render
 from mlxserve.api.tool_calls import ToolCall, ToolCallStream, call_id
 
@@ -150,9 +153,11 @@ class Output:
     item before them, streamed with `response.reasoning_text.*` events.
     """
 
-    def __init__(self, stream: ToolCallStream | None, splitter: ReasoningSplitter | None = None):
+    def __init__(self, stream: ToolCallStream | None, splitter: ReasoningSplitter | None = None,
+                 tool_kinds: dict[str, ToolKind] | None = None):
         self.stream = stream
         self.splitter = splitter
+        self.tool_kinds = tool_kinds or {}
         self.items: list[dict] = []
         self.message: dict | None = None  # the open message item text goes into
         self.reasoning: dict | None = None  # the open reasoning item
@@ -244,9 +249,14 @@ class Output:
         ]
 
     def _call(self, call: ToolCall) -> list[dict]:
+        kind = self.tool_kinds.get(call.name, ToolKind("function"))
+        if kind.type == "custom":
+            return self._custom_call(call)
         arguments = json.dumps(call.arguments, ensure_ascii=False)
         item = {"type": "function_call", "id": item_id("fc"), "call_id": call_id("call_"),
                 "name": call.name, "arguments": "", "status": "in_progress"}
+        if kind.namespace:
+            item["namespace"] = kind.namespace
         self.items.append(item)
         added = {"type": "response.output_item.added", "output_index": len(self.items) - 1,
                  "item": copy.deepcopy(item)}
@@ -256,6 +266,24 @@ class Output:
             {"type": "response.function_call_arguments.delta", **self._at(), "delta": arguments},
             {"type": "response.function_call_arguments.done", **self._at(), "name": call.name,
              "arguments": arguments},
+            {"type": "response.output_item.done", "output_index": len(self.items) - 1,
+             "item": copy.deepcopy(item)},
+        ]
+
+    def _custom_call(self, call: ToolCall) -> list[dict]:
+        """A custom tool's call: its text input is the template function's one argument."""
+        text = call.arguments.get(CUSTOM_INPUT)
+        text = text if isinstance(text, str) else json.dumps(call.arguments, ensure_ascii=False)
+        item = {"type": "custom_tool_call", "id": item_id("ctc"), "call_id": call_id("call_"),
+                "name": call.name, "input": "", "status": "in_progress"}
+        self.items.append(item)
+        added = {"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                 "item": copy.deepcopy(item)}
+        item.update(input=text, status="completed")
+        return [
+            added,
+            {"type": "response.custom_tool_call_input.delta", **self._at(), "delta": text},
+            {"type": "response.custom_tool_call_input.done", **self._at(), "input": text},
             {"type": "response.output_item.done", "output_index": len(self.items) - 1,
              "item": copy.deepcopy(item)},
         ]
@@ -275,7 +303,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     messages = chat_messages(conversation, len(history), body.instructions)
     if not messages:
         raise APIError(400, "input: required field is missing (or empty)", param="input")
-    chat = chat_request(body, messages)
+    chat_tools_, tool_kinds = chat_tools(body)
+    chat = chat_request(body, messages, chat_tools_)
     check_chat(chat)
     sources = image_sources(conversation, len(history))
     prepared = await images.prepare(state, sources, type_name="input_image")
@@ -298,7 +327,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         raise renamed(e) from None
     run = Run(state, requests, RENAME)
     splitter = state.reasoning.splitter(prompt) if state.reasoning else None
-    output = Output(ToolCalls(state.tool_syntax, tools, forced=forces_calls(grammar)).stream(), splitter)
+    output = Output(ToolCalls(state.tool_syntax, tools, forced=forces_calls(grammar)).stream(), splitter,
+                    tool_kinds)
 
     def save(response: dict) -> None:
         if body.store is not False:
@@ -334,7 +364,11 @@ async def response_events(run: Run, head: Head, output: Output, save):
     try:
         yield send({"type": "response.created", "response": head.response("in_progress", [])})
         yield send({"type": "response.in_progress", "response": head.response("in_progress", [])})
-        async for _, out in run:
+        async for item in with_heartbeats(run):
+            if item is None:  # still prefilling: an event Codex and the SDKs know, changing nothing
+                yield send({"type": "response.in_progress", "response": head.response("in_progress", [])})
+                continue
+            out = item[1]
             choice.add(out)
             for e in output.feed(out.new_text, out.new_token_ids):
                 yield send(e)

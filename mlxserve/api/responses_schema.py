@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from mlxserve.api.openai_schema import _Body
 
@@ -39,17 +39,26 @@ class InputItem(_Body):
     name: str | None = None
     arguments: str | None = None
     output: str | list[InputPart] | None = None
+    namespace: str | None = None  # a function_call of a namespace's tool
+    input: str | None = None  # custom_tool_call
     # reasoning
     summary: list[dict] | None = None
     encrypted_content: str | None = None
 
 
 class FunctionTool(_Body):
+    """A function tool; a namespace of function tools (`tools`); a custom (freeform) tool, whose
+    input is text, optionally in a grammar (`format`); or a hosted tool (web_search, ...).
+    Fields of other tool types are kept (the response echoes the tools as sent)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     name: str | None = None
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
+    tools: list[FunctionTool] | None = None  # namespace
+    format: dict | None = None  # custom: {type: text} | {type: grammar, syntax: lark | regex, definition}
 
 
 class TextFormat(_Body):

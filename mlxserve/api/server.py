@@ -70,6 +70,12 @@ def create_pool_app(pool: ModelPool, server_cfg, pins=(), pin_file: str | None =
         app.include_router(router)
     backend = mlx_backend()
 
+    @app.api_route("/api/hello", methods=["GET", "HEAD"], include_in_schema=False)
+    async def hello():
+        """Claude Code's connection pre-warm (HEAD {ANTHROPIC_BASE_URL}/api/hello); a 404 there
+        would be the only 4xx of a clean session in the server's log."""
+        return {}
+
     @app.get("/health")
     async def health():
         """200 when the engine serves; 503 when it is shutting down, stalled (a step has run past
@@ -217,7 +223,8 @@ def serve(models, server_cfg, pool_cfg) -> int:
     try:
         memory = parse_size(pool_cfg.models_memory) if pool_cfg.models_memory else None
         pool = ModelPool([ModelSpec.of(m, pool_cfg.model_ttl) for m in models],
-                         max_loaded=pool_cfg.max_loaded_models, memory=memory, wait_s=pool_cfg.model_wait)
+                         max_loaded=pool_cfg.max_loaded_models, memory=memory, wait_s=pool_cfg.model_wait,
+                         aliases=pool_cfg.alias)
         pins = cache_routes.read_pin_file(pool_cfg.pin) if pool_cfg.pin else []
     except ValueError as e:
         log.error("%s", e)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from starlette.responses import StreamingResponse
 
 DONE = b"data: [DONE]\n\n"
+# Seconds without an output after which a stream sends a keep-alive event: a long prompt's
+# prefill (minutes on a CPU) sends nothing else, and agents give up on a silent stream (Claude
+# Code then retried without streaming, Codex after stream_idle_timeout_ms), doubling the work.
+HEARTBEAT_S = 10.0
 MAX_EVENTS_PER_SEND = 64
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 
@@ -32,6 +37,27 @@ class EventTemplate:
 
     def __call__(self, value) -> bytes:
         return self.head + dumps(value).encode() + self.tail
+
+
+async def with_heartbeats(outputs, every: float | None = None):
+    """`outputs`' items, and None after each `every` seconds (HEARTBEAT_S) in which none came,
+    until the first one (the prefill's wait); after it the items are read directly, with no
+    task a token."""
+    every = HEARTBEAT_S if every is None else every
+    items = outputs.__aiter__()
+    first = asyncio.ensure_future(items.__anext__())
+    try:
+        while not (await asyncio.wait({first}, timeout=every))[0]:
+            yield None
+        try:
+            item = first.result()
+        except StopAsyncIteration:
+            return
+    finally:
+        first.cancel()  # a no-op once it is done
+    yield item
+    async for item in items:
+        yield item
 
 
 class SSEResponse(StreamingResponse):

@@ -150,6 +150,8 @@ class AsyncEngine:
             )
         if max_tokens is None:
             return min(self.config.default_max_tokens, room)
+        if max_tokens > room and not self.config.strict_max_tokens:
+            return room
         if max_tokens > room:
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
@@ -183,8 +185,9 @@ class AsyncEngine:
             raise ValueError("prompt_logprobs: not supported for prompts with images")
         max_tokens = self.check_length(len(request.prompt_token_ids), request.params.max_tokens)
         if self.kv_budget is not None:
-            max_tokens = self.kv_budget.check(len(request.prompt_token_ids), max_tokens,
-                                              explicit=request.params.max_tokens is not None)
+            # A max_tokens the context capped is no promise either: it gets what fits, as none.
+            explicit = request.params.max_tokens is not None and max_tokens == request.params.max_tokens
+            max_tokens = self.kv_budget.check(len(request.prompt_token_ids), max_tokens, explicit=explicit)
         if self.watchdog.stalled:
             raise self._stalled_error()
         if len(self._streams) >= self.capacity:

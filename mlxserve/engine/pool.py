@@ -16,6 +16,7 @@ serialises the decisions about room, so two loads never count the same free slot
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import gc
 import logging
 import time
@@ -53,6 +54,7 @@ class ModelSpec:
     engine: EngineConfig
     pinned: bool = False
     ttl: float | None = None
+    aliases: tuple[str, ...] = ()  # other names requests may use for it; shell patterns allowed
 
     @classmethod
     def of(cls, served: ServedModel, default_ttl: float | None = None) -> "ModelSpec":
@@ -61,7 +63,7 @@ class ModelSpec:
         entry = served.entry
         name = entry.alias or served_name(served.model.model, served.model.load_format)
         return cls(name, served.model, served.engine, entry.pinned,
-                   default_ttl if entry.ttl is None else entry.ttl)
+                   default_ttl if entry.ttl is None else entry.ttl, split_names(entry.aliases))
 
 
 class Entry:
@@ -97,7 +99,7 @@ class Entry:
 
 class ModelPool:
     def __init__(self, specs: list[ModelSpec], *, max_loaded: int | None = None, memory: int | None = None,
-                 wait_s: float = 120.0):
+                 wait_s: float = 120.0, aliases: str | None = None):
         if not specs:
             raise ValueError("no model to serve")
         self.entries: dict[str, Entry] = {}
@@ -106,6 +108,13 @@ class ModelPool:
             if spec.name in self.entries:
                 raise ValueError(f"two models are named {spec.name!r}: give one an alias")
             self.entries[spec.name] = Entry(spec)
+        self.aliases: list[tuple[str, Entry]] = []  # (name or pattern, its model), first match wins
+        for spec in specs:
+            for pattern in spec.aliases:
+                self.add_alias(pattern, spec.name)
+        for item in split_names(aliases):
+            pattern, _, target = item.partition("=")
+            self.add_alias(pattern.strip(), target.strip() or self.default.name)
         if max_loaded is not None and max_loaded < 1:
             raise ValueError(f"--max-loaded-models must be at least 1, not {max_loaded}")
         pinned = [s.name for s in specs if s.pinned]
@@ -140,7 +149,28 @@ class ModelPool:
         return next(iter(self.entries.values()))
 
     def get(self, name: str | None) -> Entry | None:
-        return self.default if name is None else self.entries.get(name)
+        """The model a request names: its own name, else the first alias that matches it
+        (a harness asks for names it knows, e.g. claude-haiku-4-5 or gpt-5-codex)."""
+        if name is None:
+            return self.default
+        entry = self.entries.get(name)
+        if entry is None:
+            entry = next((e for pattern, e in self.aliases if fnmatch.fnmatchcase(name, pattern)), None)
+        return entry
+
+    def add_alias(self, pattern: str, model: str) -> None:
+        """Requests naming `pattern` (a name, or a shell pattern: claude-*) get `model`."""
+        if not pattern:
+            raise ValueError("--alias: an empty name; give NAME or PATTERN, or PATTERN=MODEL")
+        if model not in self.entries:
+            raise ValueError(f"--alias {pattern}={model}: no model is named {model!r} "
+                             f"(served: {', '.join(self.entries)})")
+        if pattern in self.entries:
+            raise ValueError(f"--alias {pattern}: a served model is already named so")
+        self.aliases.append((pattern, self.entries[model]))
+
+    def aliases_of(self, entry: Entry) -> list[str]:
+        return [pattern for pattern, e in self.aliases if e is entry]
 
     def loaded_engines(self) -> list[AsyncEngine]:
         return [e.engine for e in self.entries.values() if e.state == LOADED and e.engine is not None]
@@ -438,6 +468,11 @@ class ModelPool:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+def split_names(names: str | None) -> tuple[str, ...]:
+    """Comma-separated names (a setting's value) as a tuple, blanks left out."""
+    return tuple(n.strip() for n in (names or "").split(",") if n.strip())
 
 
 def separate_disk_tiers(specs: list[ModelSpec]) -> list[ModelSpec]:
