@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -44,6 +45,7 @@ from mlxserve.api.responses_input import (
     not_found,
     previous_conversation,
 )
+from mlxserve.api.openai_schema import ChatCompletionRequest
 from mlxserve.api.responses_schema import ResponsesRequest
 from mlxserve.api.sse import SSEResponse, event, with_heartbeats
 from mlxserve.api.tokens import render
@@ -249,41 +251,32 @@ class Output:
         ]
 
     def _call(self, call: ToolCall) -> list[dict]:
+        """A call's item, added, its input streamed whole (one delta), and done. A function's
+        input is its JSON arguments; a custom tool's, the text of its template function's one
+        argument."""
         kind = self.tool_kinds.get(call.name, ToolKind("function"))
         if kind.type == "custom":
-            return self._custom_call(call)
-        arguments = json.dumps(call.arguments, ensure_ascii=False)
-        item = {"type": "function_call", "id": item_id("fc"), "call_id": call_id("call_"),
-                "name": call.name, "arguments": "", "status": "in_progress"}
-        if kind.namespace:
-            item["namespace"] = kind.namespace
+            text = call.arguments.get(CUSTOM_INPUT)
+            text = text if isinstance(text, str) else json.dumps(call.arguments, ensure_ascii=False)
+            item = {"type": "custom_tool_call", "id": item_id("ctc"), "call_id": call_id("call_"),
+                    "name": call.name, "input": "", "status": "in_progress"}
+            field, events, done = "input", "response.custom_tool_call_input", {"input": text}
+        else:
+            text = json.dumps(call.arguments, ensure_ascii=False)
+            item = {"type": "function_call", "id": item_id("fc"), "call_id": call_id("call_"),
+                    "name": call.name, "arguments": "", "status": "in_progress"}
+            if kind.namespace:
+                item["namespace"] = kind.namespace
+            field, events = "arguments", "response.function_call_arguments"
+            done = {"name": call.name, "arguments": text}
         self.items.append(item)
         added = {"type": "response.output_item.added", "output_index": len(self.items) - 1,
                  "item": copy.deepcopy(item)}
-        item.update(arguments=arguments, status="completed")
+        item.update({field: text, "status": "completed"})
         return [
             added,
-            {"type": "response.function_call_arguments.delta", **self._at(), "delta": arguments},
-            {"type": "response.function_call_arguments.done", **self._at(), "name": call.name,
-             "arguments": arguments},
-            {"type": "response.output_item.done", "output_index": len(self.items) - 1,
-             "item": copy.deepcopy(item)},
-        ]
-
-    def _custom_call(self, call: ToolCall) -> list[dict]:
-        """A custom tool's call: its text input is the template function's one argument."""
-        text = call.arguments.get(CUSTOM_INPUT)
-        text = text if isinstance(text, str) else json.dumps(call.arguments, ensure_ascii=False)
-        item = {"type": "custom_tool_call", "id": item_id("ctc"), "call_id": call_id("call_"),
-                "name": call.name, "input": "", "status": "in_progress"}
-        self.items.append(item)
-        added = {"type": "response.output_item.added", "output_index": len(self.items) - 1,
-                 "item": copy.deepcopy(item)}
-        item.update(input=text, status="completed")
-        return [
-            added,
-            {"type": "response.custom_tool_call_input.delta", **self._at(), "delta": text},
-            {"type": "response.custom_tool_call_input.done", **self._at(), "input": text},
+            {"type": f"{events}.delta", **self._at(), "delta": text},
+            {"type": f"{events}.done", **self._at(), **done},
             {"type": "response.output_item.done", "output_index": len(self.items) - 1,
              "item": copy.deepcopy(item)},
         ]
@@ -291,20 +284,30 @@ class Output:
 
 # ---- routes ----
 
-@router.post("/v1/responses")
-async def create_response(body: ResponsesRequest, request: Request):
-    arrival = time.perf_counter()
-    state = await served(request, body.model)
+@dataclass
+class Prepared:
+    """A Responses request made ready to run: its chat form, prompt and tools."""
+
+    chat: ChatCompletionRequest
+    prompt: list[int]
+    prompt_images: list
+    tools: list[dict] | None  # the template's (chat) tools; None with tool_choice 'none'
+    tool_kinds: dict[str, ToolKind]
+    new_items: list[dict]
+    conversation: list[dict]
+
+
+async def prepare(state, body: ResponsesRequest, store: ResponseStore) -> Prepared:
+    """The conversation (stored turns and this request's items) as a prompt, checked."""
     check_supported(body)
-    store = store_of(request)
     history = previous_conversation(store, body)
     new_items = input_items(body)
     conversation = history + new_items
     messages = chat_messages(conversation, len(history), body.instructions)
     if not messages:
         raise APIError(400, "input: required field is missing (or empty)", param="input")
-    chat_tools_, tool_kinds = chat_tools(body)
-    chat = chat_request(body, messages, chat_tools_)
+    template_tools, tool_kinds = chat_tools(body)
+    chat = chat_request(body, messages, template_tools)
     check_chat(chat)
     sources = image_sources(conversation, len(history))
     prepared = await images.prepare(state, sources, type_name="input_image")
@@ -316,6 +319,17 @@ async def create_response(body: ResponsesRequest, request: Request):
     effort = {"reasoning_effort": chat.reasoning_effort} if chat.reasoning_effort else None
     prompt = render(state.tokenizer, template, tools=tools, chat_template_kwargs=effort, param="input")
     prompt_images = images.prompt_images(state, prompt, prepared, "input")
+    return Prepared(chat, prompt, prompt_images, tools, tool_kinds, new_items, conversation)
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    arrival = time.perf_counter()
+    state = await served(request, body.model)
+    store = store_of(request)
+    p = await prepare(state, body, store)
+    chat, prompt, tools, conversation, new_items = p.chat, p.prompt, p.tools, p.conversation, p.new_items
+    prompt_images, tool_kinds = p.prompt_images, p.tool_kinds
     head = Head(state, body, item_id("resp"))
     requests = engine_requests(state, chat, [prompt], api_id=head.response_id,
                                max_tokens=body.max_output_tokens, logprobs=False, top_logprobs=0,

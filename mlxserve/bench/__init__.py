@@ -1,9 +1,9 @@
 """Benchmarks: `mlxserve bench engine | decode | serve | http | prefix | multimodal | grammar | exact | crash
-| soak | spec | warmup`."""
+| soak | spec | warmup | agent`."""
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import crash, decode, engine, exact, grammar, http, multimodal, prefix, serve, soak, spec, warmup
+    from mlxserve.bench import agent, crash, decode, engine, exact, grammar, http, multimodal, prefix, serve, soak, spec, warmup
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
@@ -18,3 +18,4 @@ def add_bench_parsers(parser) -> None:
     soak.add_parser(sub)
     spec.add_parser(sub)
     warmup.add_parser(sub)
+    agent.add_parser(sub)
