@@ -307,3 +307,27 @@ def test_a_long_prefill_keeps_the_stream_alive(agent_server, monkeypatch):
     assert events.count("ping") >= 4 and events[-1] == "message_stop"
     events = stream_response(agent_server, codex_body())
     assert sum(e.type == "response.in_progress" for e in events) >= 4 and events[-1].response.id
+
+
+def test_a_tool_added_mid_session_keeps_the_cached_prefix(agent_server, claude):
+    """Claude Code loads deferred tools mid-session (12 tools, then 21, inserted among the
+    others): within a session (metadata.user_id) tools keep the order first sent, so the system
+    prompt and the known tools stay a cached prefix; without one, tools render as sent."""
+    def tool(name):
+        return {"name": name, "description": f"The {name} tool. " * 20,
+                "input_schema": {"type": "object", "properties": {"x": {"type": "string"}}}}
+
+    first, later = [tool("Agent"), tool("Bash"), tool("Write")], [tool("Agent"), tool("Bash"), tool("Cron"), tool("Write")]
+    turn = [{"role": "user", "content": "Schedule a job. " * 30}]
+
+    def cached(tools, user_id):
+        body = {"system": "Session %s. " % user_id + SYSTEM, "tools": tools, "max_tokens": 1, "messages": turn}
+        if user_id:
+            body["metadata"] = {"user_id": user_id}
+        return create(claude, **body).usage.cache_read_input_tokens
+
+    with_session, without = cached(first, "s-1"), cached(first, None)
+    with_session, without = cached(later, "s-1"), cached(later, None)
+    # A session keeps Agent, Bash, Write (and so all but Cron's definition and the turn) cached;
+    # as sent, the prefix ends where Cron was inserted, before Write.
+    assert with_session > without + 100

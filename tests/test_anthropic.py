@@ -123,7 +123,9 @@ def test_stop_reason_mapping():
      400, "invalid_request_error"),
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": 5,
       "output_config": {"format": {"type": "json_schema"}}}, 400, "invalid_request_error"),
-    ({"model": MODEL, "messages": MESSAGES, "max_tokens": 10**6}, 400, "invalid_request_error"),
+    # A max_tokens past the context is capped; a prompt past it is refused.
+    ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 10**6}, 400,
+     "invalid_request_error"),
     ({"model": "claude-opus-4", "messages": MESSAGES, "max_tokens": 5}, 404, "not_found_error"),
 ])
 def test_errors_in_anthropic_shape(server, body, status, kind):

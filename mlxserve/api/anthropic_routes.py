@@ -158,7 +158,10 @@ async def prompt_ids(state: ModelState, body: Conversation) -> tuple[list[int], 
             messages.append(assistant_message(m.content, where))
     # Anthropic continues a final assistant message instead of starting a new turn.
     prefill = body.messages[-1].role == "assistant"
-    prompt = render(state.tokenizer, messages, tools=template_tools(body), continue_final=prefill,
+    # Claude Code's user_id names its session: a tool it loads mid-session goes after the others.
+    session = (getattr(body, "metadata", None) or {}).get("user_id")
+    tools = state.tool_order.arrange(session if isinstance(session, str) else None, template_tools(body))
+    prompt = render(state.tokenizer, messages, tools=tools, continue_final=prefill,
                     chat_template_kwargs=thinking.template_kwargs(body.thinking))
     return prompt, images.prompt_images(state, prompt, prepared, "messages")
 

@@ -19,6 +19,7 @@ from mlxserve.api.errors import APIError, from_engine
 from mlxserve.api.reasoning import detect as detect_reasoning
 from mlxserve.api.tokens import TokenBytes, render
 from mlxserve.api.tool_calls import check_tool_schema, tool_syntax
+from mlxserve.api.tool_order import ToolOrder
 from mlxserve.engine.request import Request, RequestOutput, TokenLogprob
 
 _SHUTDOWN = object()
@@ -87,6 +88,7 @@ class ModelState:
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
         self.tool_syntax = tool_syntax(loaded.tokenizer)  # None: no call markup mlx-lm knows
         self.reasoning = detect_reasoning(loaded.tokenizer)  # None: the model does not reason
+        self.tool_order = ToolOrder()  # each agent session's tools in the order first sent
 
     def prepare(self) -> None:
         """Pay the first request's one-time costs here, in the load thread: the chat template's

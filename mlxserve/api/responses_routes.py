@@ -316,6 +316,7 @@ async def prepare(state, body: ResponsesRequest, store: ResponseStore) -> Prepar
     tools = None
     if chat.tools and chat.tool_choice != "none":  # 'none': the model is not told of tools
         tools = [t.model_dump(exclude_none=True) for t in chat.tools]
+        tools = state.tool_order.arrange(body.prompt_cache_key, tools)  # Codex's: its thread id
     effort = {"reasoning_effort": chat.reasoning_effort} if chat.reasoning_effort else None
     prompt = render(state.tokenizer, template, tools=tools, chat_template_kwargs=effort, param="input")
     prompt_images = images.prompt_images(state, prompt, prepared, "input")

@@ -92,6 +92,7 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: dict | None = None  # its `effort` goes to the template; reasoning comes back as an item
+    prompt_cache_key: str | None = None  # a session's key: its tools keep their first order (api/tool_order.py)
     truncation: Literal["auto", "disabled"] | None = None
     # Extensions that vLLM's Responses API accepts too.
     top_k: int | None = Field(None, ge=-1)

@@ -26,7 +26,7 @@ WORDS = ("alpha beta gamma delta river stone cloud field north south window gard
 # Keys whose string values are prose to replace, wherever they sit in a body.
 PROSE_KEYS = {"text", "description", "instructions", "system", "content", "output", "thinking"}
 # Keys whose values identify a machine, an account or a session: replaced by a fixed stand-in.
-IDENTIFYING_KEYS = {"user_id", "x-codex-installation-id"}
+IDENTIFYING_KEYS = {"user_id", "x-codex-installation-id", "x-codex-turn-metadata"}
 
 
 class Filler:
