@@ -91,3 +91,48 @@ def test_a_recorded_session_replays(replay_server, fixture):
             possible = common_prefix(previous, prompt)
             assert cached >= 0.9 * possible, (i, cached, possible)
         previous = prompt
+
+
+def test_agent_prompts_are_encoded_from_where_they_part(tiny):
+    """Each turn's prompt is encoded from where it parts from the last one (at a special token),
+    and the ids are exactly those of encoding its whole text."""
+    from mlxserve.bench.agent import tokenizer_state
+    from mlxserve.models.chat import MIN_REUSE, PrefixEncoder, encoder_of
+
+    tokenizer = tiny(MODEL).tokenizer
+    hf = tokenizer._tokenizer
+    state = tokenizer_state(tokenizer)
+    encoder = encoder_of(tokenizer)
+    encoder.recent.clear()
+    calls = []
+    fast = encoder.fast
+
+    class Counting:  # the characters the Rust tokenizer is asked to encode
+        def encode(self, text, **kw):
+            calls.append(len(text))
+            return fast.encode(text, **kw)
+
+    encoder.fast = Counting()
+    try:
+        for fixture in FIXTURES:
+            for request in json.loads(fixture.read_text())["requests"]:
+                asyncio.run(prompt_tokens(state, request["path"], request["body"]))
+    finally:
+        encoder.fast = fast
+    texts = list(encoder.recent)
+    assert len(texts) >= 6 and all(encoder.recent[t][0] == hf.encode(t, add_special_tokens=False) for t in texts)
+    assert sum(calls) < 0.5 * sum(len(t) for t in texts)  # later turns encode their new part only
+
+    # Texts that part inside a segment, at a special token, and before any cut point.
+    fresh = PrefixEncoder(hf)
+    head = "<|im_start|>system\n" + "All work and no play. " * 300 + "<|im_end|>\n"
+    variants = [head + "<|im_start|>user\nhello there<|im_end|>\n",
+                head + "<|im_start|>user\nhello therefore<|im_end|>\n<|im_start|>assistant\n",
+                head + "<|im_start|>user\nhello<|im_end|>",
+                head[:MIN_REUSE // 2] + "changed early " + head,
+                "no special tokens at all " * 400,
+                # characters past ASCII: cuts are in characters, not bytes
+                "<|im_start|>system\n" + "Grüße, 世界 ✓ " * 400 + "<|im_end|>\n<|im_start|>user\nnä<|im_end|>\n",
+                "<|im_start|>system\n" + "Grüße, 世界 ✓ " * 400 + "<|im_end|>\n<|im_start|>user\nnämlich<|im_end|>\n"]
+    for text in variants:
+        assert fresh.encode(text) == hf.encode(text, add_special_tokens=False)

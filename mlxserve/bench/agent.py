@@ -11,7 +11,10 @@ it but for its output cap (`--max-tokens`, non-streamed). Per request:
 - `cached`: what the server read from its prefix cache (the API's usage);
 - `ttft`: the request's time (one output token: its prefill and one step);
 - `alone`: the time of a prompt of just its new tokens (prompt less cached),
-  with nothing cached: what prefilling them costs by themselves.
+  with nothing cached: what prefilling them costs by themselves;
+- `as ids`: the same prompts sent again in order as token ids (/v1/completions)
+  from an empty cache: the engine's side of each turn (its restore and its
+  prefill over the cached context) without the API's (JSON, template, tokens).
 
 The goals (issue 32): cached >= 90% of possible, and ttft <= 1.5x alone.
 """
@@ -112,18 +115,37 @@ def alone_time(client: httpx.Client, n: int, rng: random.Random, vocab: int) -> 
     return time.perf_counter() - start
 
 
+def timed_post(client: httpx.Client, path: str, **kw) -> tuple[httpx.Response, float]:
+    start = time.perf_counter()
+    r = client.post(path, **kw)
+    return r, time.perf_counter() - start
+
+
+def ids_times(client: httpx.Client, prompts: list[list[int]], max_tokens: int) -> list[float]:
+    """Each prompt's time sent as token ids to /v1/completions, in order, from an empty cache:
+    the turns' engine side alone (no JSON of the agent's body, no template, no tokenizing)."""
+    client.post("/v1/cache/reset").raise_for_status()
+    out = []
+    for prompt in prompts:
+        r, elapsed = timed_post(client, "/v1/completions",
+                                json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        r.raise_for_status()
+        out.append(elapsed)
+    return out
+
+
 def replay(client: httpx.Client, fixture: dict, tokenizer, *, max_tokens: int, vocab: int,
            seed: int = 0) -> list[dict]:
     """One row a request, measured as the module's docstring says."""
     state = tokenizer_state(tokenizer)
     rng = random.Random(seed)
-    rows, previous = [], None
+    rows, previous, prompts = [], None, []
     for i, request in enumerate(fixture["requests"]):
         path, body = request["path"], request["body"]
         prompt = asyncio.run(prompt_tokens(state, path, body))
-        start = time.perf_counter()
-        r = client.post(path, params=request["query"] or None, json=capped(path, body, max_tokens, stream=False))
-        elapsed = time.perf_counter() - start
+        prompts.append(prompt)
+        r, elapsed = timed_post(client, path, params=request["query"] or None,
+                                json=capped(path, body, max_tokens, stream=False))
         row = {"request": i, "path": path, "status": r.status_code, "prompt": len(prompt),
                "possible": common_prefix(previous, prompt) if previous else 0, "ttft_s": elapsed}
         if r.status_code == 200:
@@ -133,6 +155,8 @@ def replay(client: httpx.Client, fixture: dict, tokenizer, *, max_tokens: int, v
                 row["alone_s"] = alone_time(client, reported - row["cached"], rng, vocab)
         rows.append(row)
         previous = prompt
+    for row, seconds in zip(rows, ids_times(client, prompts, max_tokens)):
+        row["ids_s"] = seconds
     return rows
 
 
@@ -141,18 +165,18 @@ def markdown(name: str, fixture: dict, rows: list[dict], info: dict, command: st
 
     lines = [header(f"bench agent: {name}", info, command), "",
              f"{fixture['harness']}: {fixture.get('note', '')}", "",
-             "| # | status | prompt | possible | cached | cached/possible | new | TTFT s | alone s | TTFT/alone |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| # | status | prompt | possible | cached | cached/possible | new | TTFT s | as ids s | alone s "
+             "| TTFT/alone |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if row["status"] != 200:
-            lines.append(f"| {row['request']} | {row['status']} | {row['prompt']} | | | | | | | |")
+            lines.append(f"| {row['request']} | {row['status']} | {row['prompt']} | | | | | | | | |")
             continue
         share = f"{row['cached'] / row['possible']:.2f}" if row["possible"] else "-"
         new = row["prompt_reported"] - row["cached"]
         alone = row.get("alone_s")
-        ratio = f"{alone:.2f} | {row['ttft_s'] / alone:.2f}" if alone else "- | -"
+        ratio = f"{alone:.3f} | {row['ttft_s'] / alone:.2f}" if alone else "- | -"
         lines.append(f"| {row['request']} | 200 | {row['prompt_reported']} | {row['possible']} | {row['cached']} | "
-                     f"{share} | {new} | {row['ttft_s']:.2f} | {ratio} |")
+                     f"{share} | {new} | {row['ttft_s']:.3f} | {row['ids_s']:.3f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
