@@ -1,5 +1,6 @@
 #!/usr/bin/env sh
-# Installs mlxserve and what it needs. `./install.sh --test` adds the test tools.
+# Installs mlxserve and what it needs. `./install.sh --test` adds the test tools (and, where npm
+# is, the Claude Code and Codex CLIs).
 # On Linux it also installs OpenBLAS (Debian/Ubuntu: libopenblas0-pthread), which
 # mlxserve loads so MLX's CPU backend multiplies float32 matrices ~30x faster.
 # With --test on Debian/Ubuntu it also installs the distribution's Chromium, which the
@@ -32,3 +33,10 @@ fi
 extra=""
 [ "${1:-}" = "--test" ] && extra="[test]"
 python3 -m pip install -q ".${extra}"
+# With --test, the agent CLIs that tests/test_agent_cli.py runs against a live server, where npm
+# is (the test skips without them). Claude Code asks for Node 22 and runs on 20 with a warning.
+if [ "${1:-}" = "--test" ] && command -v npm >/dev/null 2>&1 \
+        && { ! command -v claude >/dev/null 2>&1 || ! command -v codex >/dev/null 2>&1; }; then
+    npm install -g -s @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 >/dev/null 2>&1 \
+        || echo "note: could not install the agent CLIs with npm: their live test will skip" >&2
+fi

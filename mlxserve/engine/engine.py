@@ -150,9 +150,9 @@ class AsyncEngine:
             )
         if max_tokens is None:
             return min(self.config.default_max_tokens, room)
-        if max_tokens > room and not self.config.strict_max_tokens:
-            return room
         if max_tokens > room:
+            if not self.config.strict_max_tokens:  # capped: the answer ends with "length" there
+                return room
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {num_prompt_tokens + max_tokens} tokens "
