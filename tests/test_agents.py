@@ -8,6 +8,7 @@ string arguments are bounded (maxLength), or random weights would fill them unti
 """
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -246,7 +247,7 @@ def test_codex_first_request_is_answered(agent_server):
     ({"type": "function", "name": "spawn_agent"}, "function_call",
      lambda item: item.namespace == "multi_agent_v1" and "task" in json.loads(item.arguments)),
     ({"type": "custom", "name": "dial"}, "custom_tool_call",
-     lambda item: __import__("re").fullmatch("[0-9]{3}-[0-9]{4}", item.input)),
+     lambda item: re.fullmatch("[0-9]{3}-[0-9]{4}", item.input)),
     ({"type": "function", "name": "exec_command"}, "function_call",
      lambda item: getattr(item, "namespace", None) is None and "cmd" in json.loads(item.arguments)),
 ])
@@ -326,7 +327,7 @@ def test_a_tool_added_mid_session_keeps_the_cached_prefix(agent_server, claude):
             body["metadata"] = {"user_id": user_id}
         return create(claude, **body).usage.cache_read_input_tokens
 
-    with_session, without = cached(first, "s-1"), cached(first, None)
+    cached(first, "s-1"), cached(first, None)  # the first requests of two sessions
     with_session, without = cached(later, "s-1"), cached(later, None)
     # A session keeps Agent, Bash, Write (and so all but Cron's definition and the turn) cached;
     # as sent, the prefix ends where Cron was inserted, before Write.

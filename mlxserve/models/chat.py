@@ -92,8 +92,8 @@ class PrefixEncoder:
         return True
 
     def _cut_ids(self) -> frozenset[int]:
-        """Ids of added tokens a text may be cut before: special, matched as written (no
-        whitespace stripped around them, not normalized)."""
+        """Ids of added tokens a text may be cut just after: special, matched as written (no
+        whitespace stripped around them, not normalized, not only as a whole word)."""
         decoder = getattr(self.hf, "added_tokens_decoder", None) or {}
         return frozenset(i for i, t in decoder.items()
                          if getattr(t, "special", False) and not getattr(t, "lstrip", True)
@@ -112,7 +112,7 @@ class PrefixEncoder:
             j = bisect.bisect_right(old_chars, shared) - 1  # the last cut both texts share
             if j >= 0 and old_chars[j] >= MIN_REUSE:
                 start = old_chars[j]
-                ids, chars, tokens = old_ids[:old_tokens[j]], old_chars[:j], old_tokens[:j]
+                ids, chars, tokens = old_ids[:old_tokens[j]], old_chars[:j + 1], old_tokens[:j + 1]
         encoding = self.fast.encode(text[start:], add_special_tokens=False)
         offset = len(ids)
         for k, (token, (_, end)) in enumerate(zip(encoding.ids, encoding.offsets)):
