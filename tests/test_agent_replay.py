@@ -18,8 +18,9 @@ from anthropic.types import RawMessageStreamEvent
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from mlxserve.bench.agent import capped, common_prefix, prompt_tokens
+from mlxserve.bench.agent import capped, prompt_tokens
 from mlxserve.config import EngineConfig
+from mlxserve.models.chat import common_prefix_length
 
 MODEL = "qwen3-tiny"
 FIXTURES = sorted((Path(__file__).parent / "agents").glob("*.json"))
@@ -88,7 +89,7 @@ def test_a_recorded_session_replays(replay_server, fixture):
                 if path.startswith("/v1/messages") else (u["input_tokens"], u["input_tokens_details"]["cached_tokens"])
         assert total == len(prompt), (i, total, len(prompt))
         if previous is not None:
-            possible = common_prefix(previous, prompt)
+            possible = common_prefix_length(previous, prompt)
             assert cached >= 0.9 * possible, (i, cached, possible)
         previous = prompt
 

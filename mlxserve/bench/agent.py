@@ -31,6 +31,7 @@ from types import SimpleNamespace
 import httpx
 
 from mlxserve.bench.local import ChildServer, checkout_env, free_port, warmed
+from mlxserve.models.chat import common_prefix_length
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "agents"
 
@@ -79,15 +80,6 @@ async def prompt_tokens(state, path: str, body: dict) -> list[int]:
     return (await prepare(state, ResponsesRequest.model_validate(body), ResponseStore(0))).prompt
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def capped(path: str, body: dict, max_tokens: int, stream: bool | None = None) -> dict:
     """The body with its output cap set (and its stream flag, when given)."""
     out = dict(body)
@@ -109,10 +101,9 @@ def usage_of(path: str, answer: dict) -> tuple[int, int]:
 def alone_time(client: httpx.Client, n: int, rng: random.Random, vocab: int) -> float:
     """Seconds to answer (one token) a prompt of `n` random token ids no cache holds."""
     prompt = [rng.randrange(1000, vocab) for _ in range(max(n, 1))]
-    start = time.perf_counter()
-    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    r, elapsed = timed_post(client, "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
     r.raise_for_status()
-    return time.perf_counter() - start
+    return elapsed
 
 
 def timed_post(client: httpx.Client, path: str, **kw) -> tuple[httpx.Response, float]:
@@ -147,7 +138,7 @@ def replay(client: httpx.Client, fixture: dict, tokenizer, *, max_tokens: int, v
         r, elapsed = timed_post(client, path, params=request["query"] or None,
                                 json=capped(path, body, max_tokens, stream=False))
         row = {"request": i, "path": path, "status": r.status_code, "prompt": len(prompt),
-               "possible": common_prefix(previous, prompt) if previous else 0, "ttft_s": elapsed}
+               "possible": common_prefix_length(previous, prompt) if previous else 0, "ttft_s": elapsed}
         if r.status_code == 200:
             reported, row["cached"] = usage_of(path, r.json())
             row["prompt_reported"] = reported

@@ -65,14 +65,14 @@ def encoder_of(tokenizer) -> "PrefixEncoder | None":
 class PrefixEncoder:
     """`hf.encode(text, add_special_tokens=False)`, reusing the ids of a recent text it extends."""
 
-    def __init__(self, hf):
+    def __init__(self, hf, check: bool = True):
         self.hf = hf
         # tokenizers.Tokenizer (Rust); None: a slow (Python) tokenizer, encoded whole
         self.fast = getattr(hf, "backend_tokenizer", None) if getattr(hf, "is_fast", False) else None
         self.cut_ids = self._cut_ids()
         self.recent: OrderedDict[str, tuple[list[int], list[int], list[int]]] = OrderedDict()
         self.lock = threading.Lock()
-        if self.fast is not None and self.cut_ids and not self._agrees():
+        if check and self.fast is not None and self.cut_ids and not self._agrees():
             self.fast = None  # e.g. a SentencePiece-style tokenizer marking each piece's start
 
     def _agrees(self) -> bool:
@@ -83,9 +83,7 @@ class PrefixEncoder:
             token = self.hf.convert_ids_to_tokens(token_id)
             for piece in (" hello", "hello", "\n\nhello", "12 apples"):
                 first, second = filler + token + piece, filler + token + piece + token + piece
-                probe = PrefixEncoder.__new__(PrefixEncoder)
-                probe.hf, probe.fast, probe.cut_ids = self.hf, self.fast, self.cut_ids
-                probe.recent, probe.lock = OrderedDict(), threading.Lock()
+                probe = PrefixEncoder(self.hf, check=False)
                 for text in (first, second):
                     if probe.encode(text) != list(self.fast.encode(text, add_special_tokens=False).ids):
                         return False
@@ -139,9 +137,9 @@ class PrefixEncoder:
         return best
 
 
-def common_prefix_length(a: str, b: str) -> int:
-    """Characters `a` and `b` share at their start (binary search over slice comparisons,
-    which run in C)."""
+def common_prefix_length(a, b) -> int:
+    """Items (characters, token ids) `a` and `b` share at their start (binary search over slice
+    comparisons, which run in C)."""
     low, high = 0, min(len(a), len(b))
     while low < high:
         mid = (low + high + 1) // 2
