@@ -241,7 +241,11 @@ class ServerConfig:
     host: str = setting("127.0.0.1", "Address to listen on.")
     port: int = setting(8000, "Port to listen on.")
     api_key: str | None = setting(
-        None, "Require 'Authorization: Bearer KEY' on /v1/* (health stays open)."
+        None, "Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health "
+        "and the web page's own files (its data needs the key).",
+    )
+    metrics_public: bool = setting(
+        False, "With --api-key: leave /metrics open, for a Prometheus scraper without the key."
     )
     served_model_name: str | None = setting(
         None, "Model name reported by /v1/models and accepted in requests."

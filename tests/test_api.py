@@ -573,9 +573,29 @@ def test_api_key(server, api_key, http):
     assert good.models.list().data[0].id == MODEL
     assert http.get("/v1/models", headers={"x-api-key": api_key}).status_code == 200
     assert http.get("/health").status_code == 200  # stays open
-    assert http.get("/metrics").status_code == 200
-    refused = metric_values(http.get("/metrics").text, "mlxserve_requests_total")
+    metrics = http.get("/metrics", headers={"x-api-key": api_key})
+    refused = metric_values(metrics.text, "mlxserve_requests_total")
     assert refused[(("endpoint", "/v1/chat/completions"), ("status", "401"))] >= 2
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/version", "/openapi.json", "/docs", "/redoc", "/v1/stats",
+                                  "/v1/cache/stats", "/no/such/route"])
+def test_the_api_key_guards_every_route_but_health_and_the_page(server, api_key, http, path):
+    """What a route tells (counters, versions, the device, the model and its fingerprint, the
+    schema) is for the key's holders; a scraper gets /metrics with --metrics-public."""
+    r = http.get(path)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert "mlxserve" not in r.text and MODEL not in r.text
+    ok = http.get(path, headers={"Authorization": f"Bearer {api_key}"}).status_code
+    assert ok == (404 if path == "/no/such/route" else 200)
+    for open_path in ["/health", "/", "/web/app.js", "/api/hello"]:
+        assert http.get(open_path).status_code == 200
+    server.state.server_cfg.metrics_public = True
+    try:
+        assert http.get("/metrics").status_code == 200
+        assert (http.get(path).status_code == 200) == (path == "/metrics")
+    finally:
+        server.state.server_cfg.metrics_public = False
 
 
 # ---- a second server whose engine we can break ----

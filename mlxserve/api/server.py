@@ -154,12 +154,24 @@ class Gate:
         limit = self.mlx.server_cfg.max_request_bytes
         if length is not None and length.isdigit() and int(length) > limit:
             return APIError(413, f"The request body is larger than {limit} bytes.")
-        key = self.mlx.server_cfg.api_key
-        if key and (scope["path"] + "/").startswith("/v1/") and not authorized(headers, key):
+        cfg = self.mlx.server_cfg
+        if cfg.api_key and not public(scope["path"], cfg) and not authorized(headers, cfg.api_key):
             return APIError(401, "Invalid or missing API key: send 'Authorization: Bearer KEY' "
                             "or 'x-api-key: KEY'.", code="invalid_api_key",
                             headers={"WWW-Authenticate": "Bearer"})
         return None
+
+
+# Open with --api-key: liveness, Claude Code's pre-warm (an empty answer) and the web page's
+# static files (the page asks for the key and sends it with its data requests). Everything
+# else, /metrics, /version and the API's schema included, tells about the server or uses it.
+_PUBLIC = {"/health", "/api/hello", "/"}
+
+
+def public(path: str, cfg) -> bool:
+    if path in _PUBLIC or path.startswith("/web/"):
+        return True
+    return path == "/metrics" and cfg.metrics_public
 
 
 def authorized(headers: dict, key: str) -> bool:
