@@ -19,7 +19,6 @@ from mlxserve.api import thinking
 from mlxserve.api.openai_routes import CLIENT_CLOSED
 from mlxserve.api.reasoning import ReasoningSplitter
 from mlxserve.api.sse import SSEResponse, dumps, event, with_heartbeats
-from mlxserve.api.tokens import render
 from mlxserve.api.tool_calls import ToolCall, ToolCallStream, anthropic_tool_use, check_tool_schema, split_text
 from mlxserve.engine.request import Request as EngineRequest
 from mlxserve.engine.request import SamplingParams
@@ -161,8 +160,8 @@ async def prompt_ids(state: ModelState, body: Conversation) -> tuple[list[int], 
     # Claude Code's user_id names its session: a tool it loads mid-session goes after the others.
     session = (getattr(body, "metadata", None) or {}).get("user_id")
     tools = state.tool_order.arrange(session if isinstance(session, str) else None, template_tools(body))
-    prompt = render(state.tokenizer, messages, tools=tools, continue_final=prefill,
-                    chat_template_kwargs=thinking.template_kwargs(body.thinking))
+    prompt = await state.render(messages, tools=tools, continue_final=prefill,
+                                chat_template_kwargs=thinking.template_kwargs(body.thinking))
     return prompt, images.prompt_images(state, prompt, prepared, "messages")
 
 

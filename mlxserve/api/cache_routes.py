@@ -24,7 +24,6 @@ from mlxserve.api.generate import ModelState, ServerState
 from mlxserve.api.models import entry_of, served, server_of
 from mlxserve.api.openai_routes import template_message
 from mlxserve.api.openai_schema import ChatMessage, Tool
-from mlxserve.api.tokens import render
 from mlxserve.engine.engine import EngineDeadError
 from mlxserve.engine.pins import PinError
 from mlxserve.engine.pool import LOADED
@@ -44,14 +43,14 @@ class PinRequest(BaseModel):
     prompt: str | list[int] | None = None
 
 
-def pin_tokens(state: ModelState, body: PinRequest) -> list[int]:
+async def pin_tokens(state: ModelState, body: PinRequest) -> list[int]:
     """The token ids a pin body stands for."""
     if (body.messages is None) == (body.prompt is None):
         raise bad_request("give either messages (with tools) or prompt", "messages")
     if body.prompt is not None:
         if body.tools or body.chat_template_kwargs:
             raise bad_request("tools and chat_template_kwargs go with messages, not prompt", "prompt")
-        ids = state.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        ids = await state.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         vocab = state.loaded.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None) if vocab else None
         if bad is not None:
@@ -66,7 +65,7 @@ def pin_tokens(state: ModelState, body: PinRequest) -> list[int]:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         # No generation prompt: the pin is the start of later conversations, not one to answer.
         kwargs = {**(body.chat_template_kwargs or {}), "add_generation_prompt": False}
-        ids = render(state.tokenizer, messages, tools=tools, chat_template_kwargs=kwargs)
+        ids = await state.render(messages, tools=tools, chat_template_kwargs=kwargs)
     if not ids:
         raise bad_request("prompt: must contain at least one token", "prompt")
     return ids
@@ -78,7 +77,7 @@ def pin_id(model: str, ids: list[int]) -> str:
 
 
 async def make_pin(server: ServerState, state: ModelState, body: PinRequest) -> dict:
-    ids = pin_tokens(state, body)
+    ids = await pin_tokens(state, body)
     try:
         state.engine.check_length(len(ids), 1)  # the prefill makes one token
         pid = pin_id(state.model_name, ids)

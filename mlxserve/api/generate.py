@@ -11,18 +11,24 @@ its slot is free at the next engine step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from mlxserve.api.constraints import Grammars
 from mlxserve.api.errors import APIError, from_engine
 from mlxserve.api.reasoning import detect as detect_reasoning
-from mlxserve.api.tokens import TokenBytes, render
+from mlxserve.api import tokens
+from mlxserve.api.tokens import TokenBytes
 from mlxserve.api.tool_calls import check_tool_schema, tool_syntax
 from mlxserve.api.tool_order import ToolOrder
 from mlxserve.engine.request import Request, RequestOutput, TokenLogprob
+from mlxserve.models.chat import hf_of
+from mlxserve.models.token_bound import bytes_per_token
 
 _SHUTDOWN = object()
+PROMPT_WORKERS = 4
 _SAMPLE_TOOL = {"type": "function", "function": {
     "name": "lookup", "description": "Look a word up.",
     "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}
@@ -47,6 +53,15 @@ class ServerState:
         self.startup_error: str | None = None  # a --pin that failed: the server stops
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup
         self._runs: set[Run] = set()
+        # Renders and tokenizes prompts off the event loop (api/tokens.py). Several threads, so a
+        # prompt that takes seconds holds up only itself; the Rust tokenizer encodes in parallel
+        # (it releases the GIL, and nothing here changes its settings).
+        self.prompt_worker = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="mlxserve-prompts")
+
+    async def off_loop(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` on the prompt worker; the event loop serves streams meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.prompt_worker, functools.partial(fn, *args, **kwargs))
 
     def model_state(self, entry, loaded, engine) -> "ModelState":
         """The pool's `build`: a model's state, made in its load thread."""
@@ -96,9 +111,23 @@ class ModelState:
         server's first agent turn, after the engine's warm-up)."""
         check_tool_schema(_SAMPLE_TOOL["function"]["parameters"], "tools")
         try:
-            render(self.tokenizer, [{"role": "user", "content": "Hi"}], tools=[_SAMPLE_TOOL])
+            tokens.render(self.tokenizer, [{"role": "user", "content": "Hi"}], tools=[_SAMPLE_TOOL])
         except APIError:
             pass  # a template that refuses tools refuses them per request too, with a 400
+        hf = hf_of(self.tokenizer)
+        if hf is not None:
+            bytes_per_token(hf)  # reads the vocabulary's longest piece (0.3 s for 150k pieces)
+
+    async def render(self, messages: list[dict], **kwargs) -> list[int]:
+        """The prompt's token ids (api/tokens.render), off the event loop; a prompt whose length
+        alone proves it cannot fit the context is refused before it is tokenized."""
+        return await self.server.off_loop(tokens.render, self.tokenizer, messages,
+                                          token_limit=self.engine.max_model_len, **kwargs)
+
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """A plain prompt's token ids (api/tokens.encode), off the event loop, as `render`."""
+        return await self.server.off_loop(tokens.encode, self.tokenizer, text, param=param,
+                                          token_limit=self.engine.max_model_len)
 
     server_cfg = property(lambda self: self.server.server_cfg)
     metrics = property(lambda self: self.server.metrics)

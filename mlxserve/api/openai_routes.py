@@ -24,7 +24,7 @@ from mlxserve.api.openai_schema import (
 )
 from mlxserve.api.reasoning import ReasoningSplitter, ReasoningSyntax
 from mlxserve.api.sse import DONE, EventTemplate, SSEResponse, event
-from mlxserve.api.tokens import clamp, render
+from mlxserve.api.tokens import clamp
 from mlxserve.api.tool_calls import (
     ToolCall,
     ToolCallStream,
@@ -220,7 +220,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     template_kwargs = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:  # gpt-oss's templates read it
         template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-    prompt = render(state.tokenizer, messages, tools=tools, chat_template_kwargs=template_kwargs)
+    prompt = await state.render(messages, tools=tools, chat_template_kwargs=template_kwargs)
     grammar = await openai_grammar(state, body, tools)
     prompt_images = images.prompt_images(state, prompt, prepared, "messages")
     use_mct = body.max_completion_tokens is not None
@@ -406,7 +406,7 @@ def check_completion_supported(body: CompletionRequest) -> None:
                           "use n to get several completions", "best_of")
 
 
-def completion_prompts(state: ModelState, prompt) -> list[tuple[list[int], str]]:
+async def completion_prompts(state: ModelState, prompt) -> list[tuple[list[int], str]]:
     """(token ids, text) of each prompt: a string, strings, token ids or lists of token ids."""
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -418,7 +418,7 @@ def completion_prompts(state: ModelState, prompt) -> list[tuple[list[int], str]]
     vocab = state.loaded.vocab_size
     for p in prompt:
         if isinstance(p, str):
-            out.append((state.tokenizer.encode(p), p))
+            out.append((await state.encode(p), p))
             continue
         bad = next((t for t in p if not 0 <= t < vocab), None) if vocab else None
         if bad is not None:
@@ -476,7 +476,7 @@ async def completions(body: CompletionRequest, request: Request):
     state = await served(request, body.model)
     check_completion_supported(body)
     include_usage = check_stream_options(body)
-    prompts = completion_prompts(state, body.prompt)
+    prompts = await completion_prompts(state, body.prompt)
     n = body.n or 1
     rename = {"top_logprobs": "logprobs", "prompt_logprobs": "logprobs"}
     api_id = f"cmpl-{uuid.uuid4().hex}"

@@ -48,7 +48,6 @@ from mlxserve.api.responses_input import (
 from mlxserve.api.openai_schema import ChatCompletionRequest
 from mlxserve.api.responses_schema import ResponsesRequest
 from mlxserve.api.sse import SSEResponse, event, with_heartbeats
-from mlxserve.api.tokens import render
 from mlxserve.api.tool_calls import ToolCall, ToolCallStream, call_id
 
 log = logging.getLogger("mlxserve.api")
@@ -318,7 +317,7 @@ async def prepare(state, body: ResponsesRequest, store: ResponseStore) -> Prepar
         tools = [t.model_dump(exclude_none=True) for t in chat.tools]
         tools = state.tool_order.arrange(body.prompt_cache_key, tools)  # Codex's: its thread id
     effort = {"reasoning_effort": chat.reasoning_effort} if chat.reasoning_effort else None
-    prompt = render(state.tokenizer, template, tools=tools, chat_template_kwargs=effort, param="input")
+    prompt = await state.render(template, tools=tools, chat_template_kwargs=effort, param="input")
     prompt_images = images.prompt_images(state, prompt, prepared, "input")
     return Prepared(chat, prompt, prompt_images, tools, tool_kinds, new_items, conversation)
 

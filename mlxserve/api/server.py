@@ -60,6 +60,7 @@ def create_pool_app(pool: ModelPool, server_cfg, pins=(), pin_file: str | None =
         state.draining = True
         state.end_all()
         await pool.stop()
+        state.prompt_worker.shutdown(wait=False)
 
     app = FastAPI(title="mlxserve", version=mlxserve.__version__, lifespan=lifespan)
     app.state.mlx = state

@@ -1,8 +1,12 @@
 """Text <-> tokens for the HTTP layer: chat templates and per-token bytes for logprobs.
 
-Runs on the event loop: tokenizers are fast next to a generation step, and
-keeping every tokenizer call on one thread (the detokenizer runs here too)
-avoids the Hugging Face tokenizer's "Already borrowed" races.
+Routes render and tokenize prompts through `ModelState.render` / `.encode`
+(api/generate.py), which run these off the event loop, on worker threads:
+a 3 MB prompt takes seconds, and every stream would wait for it. The workers
+only encode, with the tokenizer's settings never changed, which is what the
+Hugging Face tokenizer needs to be shared between threads and with the
+detokenizer on the event loop (its "Already borrowed" error comes from
+changing truncation or padding while another thread encodes).
 """
 
 from __future__ import annotations
@@ -10,8 +14,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from mlxserve.api.errors import bad_request
-from mlxserve.models.chat import render_chat
+from mlxserve.api.errors import APIError, bad_request
+from mlxserve.models.chat import PromptTooLong, encode_text, render_chat
 
 # logprob for a token that cannot be sampled at all; JSON has no -Infinity, and
 # OpenAI reports such tokens as -9999.0 too.
@@ -23,11 +27,12 @@ _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 def render(tokenizer, messages: list[dict], *, tools=None, chat_template_kwargs=None,
-           continue_final: bool = False, param: str = "messages") -> list[int]:
+           continue_final: bool = False, param: str = "messages", token_limit: int | None = None) -> list[int]:
     """Token ids of a conversation in the model's own chat template.
 
     A template that refuses the conversation (most raise on roles out of
     order) is the client's mistake, so it becomes a 400 with the template's message.
+    A prompt that cannot have fewer than `token_limit` tokens is refused before it is tokenized.
     """
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
@@ -39,12 +44,26 @@ def render(tokenizer, messages: list[dict], *, tools=None, chat_template_kwargs=
     add_generation_prompt = bool(kwargs.pop("add_generation_prompt", not continue_final))
     try:
         return render_chat(tokenizer, messages, tools=tools, chat_template_kwargs=kwargs,
-                           add_generation_prompt=add_generation_prompt)
+                           add_generation_prompt=add_generation_prompt, token_limit=token_limit)
+    except PromptTooLong as e:
+        raise too_long(e, param) from None
     except ValueError as e:
         raise bad_request(f"{param}: {e}", param=param) from None
     except Exception as e:  # noqa: BLE001 - jinja2's TemplateError and friends
         raise bad_request(f"{param}: the model's chat template cannot render this "
                           f"conversation: {e}", param=param) from None
+
+
+def encode(tokenizer, text: str, *, param: str = "prompt", token_limit: int | None = None) -> list[int]:
+    """A plain prompt's token ids; refused as `render` refuses one that cannot fit."""
+    try:
+        return encode_text(tokenizer, text, token_limit)
+    except PromptTooLong as e:
+        raise too_long(e, param) from None
+
+
+def too_long(e: PromptTooLong, param: str) -> APIError:
+    return APIError(400, str(e), param=param, code="context_length_exceeded")
 
 
 def _byte_level_alphabet() -> dict[str, int]:

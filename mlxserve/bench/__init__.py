@@ -1,9 +1,9 @@
 """Benchmarks: `mlxserve bench engine | decode | serve | http | prefix | multimodal | grammar | exact | crash
-| soak | spec | warmup | agent`."""
+| soak | spec | warmup | agent | stall`."""
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import agent, crash, decode, engine, exact, grammar, http, multimodal, prefix, serve, soak, spec, warmup
+    from mlxserve.bench import agent, crash, decode, engine, exact, grammar, http, multimodal, prefix, serve, soak, spec, stall, warmup
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
@@ -19,3 +19,4 @@ def add_bench_parsers(parser) -> None:
     spec.add_parser(sub)
     warmup.add_parser(sub)
     agent.add_parser(sub)
+    stall.add_parser(sub)

@@ -21,13 +21,29 @@ import threading
 import weakref
 from collections import OrderedDict
 
+from mlxserve.models.token_bound import fewest_tokens
+
 RECENT = 16  # texts remembered per tokenizer (one per agent session, roughly)
 MIN_REUSE = 4096  # characters: shorter shared prefixes are encoded again
 
 
+class PromptTooLong(ValueError):
+    """A text whose length alone proves it has more tokens than the limit: found before
+    tokenizing it (seconds for a few MB)."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"This model's maximum context length is {limit} tokens, and the prompt has "
+                         f"at least {at_least} tokens (from its length): no room for output.")
+        self.at_least = at_least
+        self.limit = limit
+
+
 def render_chat(tokenizer, messages: list[dict], *, tools=None, chat_template_kwargs=None,
-                add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation rendered with the model's own chat template."""
+                add_generation_prompt: bool = True, token_limit: int | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the model's own chat template.
+
+    Raises PromptTooLong, without tokenizing, for a text that cannot have fewer
+    than `token_limit` tokens."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model has no chat template; use a plain completion prompt")
     kwargs = dict(chat_template_kwargs or {})
@@ -39,21 +55,45 @@ def render_chat(tokenizer, messages: list[dict], *, tools=None, chat_template_kw
     text = tokenizer.apply_chat_template(
         messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
     )
+    check_length(encoder.hf, text, token_limit)
     return encoder.encode(text)
+
+
+def encode_text(tokenizer, text: str, token_limit: int | None = None) -> list[int]:
+    """A plain prompt's token ids (with the tokenizer's own special tokens, a BOS where it adds
+    one), refused as `render_chat` refuses one that cannot fit."""
+    hf = hf_of(tokenizer)
+    if hf is not None:
+        check_length(hf, text, token_limit)
+    return list(tokenizer.encode(text))
+
+
+def check_length(hf, text: str, token_limit: int | None) -> None:
+    if token_limit is None or len(text) < token_limit:  # too short to prove anything: skip the count
+        return
+    at_least = fewest_tokens(hf, text)
+    if at_least is not None and at_least >= token_limit:
+        raise PromptTooLong(at_least, token_limit)
 
 
 _ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ENCODERS_LOCK = threading.Lock()
 
 
-def encoder_of(tokenizer) -> "PrefixEncoder | None":
-    """The PrefixEncoder of a Hugging Face tokenizer (under mlx-lm's wrapper), or None."""
+def hf_of(tokenizer):
+    """The Hugging Face tokenizer under mlx-lm's wrapper, or None."""
     from transformers import PreTrainedTokenizerBase
 
     hf = tokenizer
     while not isinstance(hf, PreTrainedTokenizerBase) and hasattr(hf, "_tokenizer"):
         hf = hf._tokenizer  # mlx-lm's TokenizerWrapper -> the Hugging Face tokenizer
-    if not isinstance(hf, PreTrainedTokenizerBase):
+    return hf if isinstance(hf, PreTrainedTokenizerBase) else None
+
+
+def encoder_of(tokenizer) -> "PrefixEncoder | None":
+    """The PrefixEncoder of a Hugging Face tokenizer (under mlx-lm's wrapper), or None."""
+    hf = hf_of(tokenizer)
+    if hf is None:
         return None
     with _ENCODERS_LOCK:
         encoder = _ENCODERS.get(hf)
