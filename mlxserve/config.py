@@ -139,6 +139,14 @@ class EngineConfig:
     disk_cache_size: str = setting(
         "20GB", "Byte budget of the disk tier, e.g. 50GB; the least recently used blocks go first."
     )
+    disk_cache_write_rate: str = setting(
+        "256MB", "Bytes per second the disk tier writes at most (writes wait for their turn); 0: no limit."
+    )
+    disk_cache_daily_writes: str = setting(
+        "100GB", "Bytes per day the disk tier writes at most, against SSD wear (100GB a day spends about "
+        "6 percent a year of a 1 TB SSD rated for 600 TB written); past it, blocks stay in memory only. "
+        "0: no limit.",
+    )
     vision_cache_memory: str = setting(
         "512MB",
         "Byte budget of the vision-embedding cache (images' projected embeddings, by pixel "

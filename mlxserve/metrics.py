@@ -99,15 +99,16 @@ def prefix_cache_families(counters: list[dict]):
     disks = [c["disk"] for c in counters if "disk" in c]
     if not disks:
         return
-    d = _summed([{k: v for k, v in disk.items() if k != "dropped"} for disk in disks])
+    d = _summed([{k: v for k, v in disk.items() if k not in ("dropped", "skips")} for disk in disks])
     yield from _families(
         counters=[
             ("prefix_cache_disk_reads", "Blocks read back from the disk tier.", d["reads"]),
             ("prefix_cache_disk_writes", "Blocks written to the disk tier.", d["writes"]),
             ("prefix_cache_disk_evictions", "Block files deleted to keep the disk budget.", d["evictions"]),
             ("prefix_cache_disk_faults", "Blocks the disk tier could not copy or write.", d["faults"]),
-            ("prefix_cache_disk_skipped", "Blocks never written: evicted from memory, or the engine "
-             "was busy for too many.", d["skipped"]),
+            ("prefix_cache_disk_written_bytes", "Bytes of block files written.", d["written_bytes"]),
+            ("prefix_cache_disk_write_wait_seconds", "Time the writer waited for --disk-cache-write-rate.",
+             d["write_wait_s"]),
             ("prefix_cache_disk_abandoned_tmp", "Temporary files of writes cut short (a crash), "
              "deleted at start.", d["abandoned"]),
         ],
@@ -118,6 +119,14 @@ def prefix_cache_families(counters: list[dict]):
     for reason, n in _summed([disk["dropped"] for disk in disks]).items():
         dropped.add_metric([reason], n)
     yield dropped
+    skipped = CounterMetricFamily("prefix_cache_disk_skipped",
+                                  "Blocks never written, by why: backlog (more waiting than the writer "
+                                  "keeps up with), orphan (its parent was not written), evicted (left memory "
+                                  "before its turn), daily_budget (--disk-cache-daily-writes spent).",
+                                  labels=["reason"])
+    for reason, n in _summed([disk["skips"] for disk in disks]).items():
+        skipped.add_metric([reason], n)
+    yield skipped
 
 
 def vision_cache_families(counters: list[dict]):

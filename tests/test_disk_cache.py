@@ -146,12 +146,14 @@ def test_a_start_deletes_the_temporary_files_of_dead_writers_only(tmp_path):
     disk.close()
 
 
-def test_when_too_many_blocks_wait_the_newest_go_never_a_parent(tmp_path):
-    """Blocks are found only through their parents: when more wait than MAX_WAITING (an engine
-    that never idles), the newest are skipped, and so is a block whose parent is not written,
-    so no file on disk is an orphan that no lookup can reach."""
-    from mlxserve.cache.disk import MAX_WAITING
+def test_when_too_many_blocks_wait_the_newest_go_never_a_parent(tmp_path, monkeypatch):
+    """Blocks are found only through their parents: when more wait than MAX_WAITING (a writer
+    that cannot keep up), the newest are skipped, and so is a block whose parent is not written,
+    so no file on disk is an orphan that no lookup can reach. Each skip is counted by why."""
+    from mlxserve.cache import disk as disk_module
 
+    MAX_WAITING = 64
+    monkeypatch.setattr(disk_module, "MAX_WAITING", MAX_WAITING)
     blocks = _chain(MAX_WAITING + 6)
     orphan = Block(b"\x99" * 32, b"\x98" * 32, blocks[0].payload, 0, 4, token_ids=np.arange(4))
     disk = DiskTier(tmp_path, 1 << 30)
@@ -161,3 +163,62 @@ def test_when_too_many_blocks_wait_the_newest_go_never_a_parent(tmp_path):
     on_disk = {bytes.fromhex(f.name.split(".")[0]) for f in tmp_path.glob("*.safetensors")}
     assert on_disk == {b.hash for b in blocks[:MAX_WAITING]}
     assert disk.stats()["skipped"] == 7
+    # The first past the backlog goes for it; its children after it go as orphans, as does `orphan`.
+    assert disk.stats()["skipped_by_reason"] == {"backlog": 1, "orphan": 6, "evicted": 0, "daily_budget": 0}
+
+
+def test_the_write_budget_paces_seconds_and_refuses_past_the_day():
+    from mlxserve.cache.disk import WriteBudget
+
+    now = [0.0]
+    slept = []
+
+    def sleep(s):
+        slept.append(s)
+        now[0] += s
+
+    budget = WriteBudget(per_second=100, per_day=1000, clock=lambda: now[0])
+    assert budget.take(100, sleep) and slept == []  # a second's burst is free
+    assert budget.take(50, sleep) and slept == [0.5]  # then it waits its turn
+    assert budget.take(300, sleep) and slept[-1] == 3.0  # a block larger than a second's worth
+    for _ in range(5):
+        assert budget.take(100, sleep)
+    assert not budget.take(100, sleep)  # 950 of the day's 1000 spent: refused, nothing spent
+    assert budget.take(50, sleep)
+    now[0] += WriteBudget.DAY_S / 10  # a tenth of a day refills a tenth of its budget
+    assert budget.take(100, sleep) and not budget.take(1, sleep)
+    unlimited = WriteBudget(None, None, clock=lambda: now[0])
+    assert unlimited.take(1 << 40, sleep) and unlimited.waited_s == 0
+
+
+def test_a_busy_engine_writes_blocks_while_it_decodes(tiny, tmp_path):
+    """An engine that never idles still writes: blocks stored while a long request decodes
+    reach the disk before it ends (they used to wait for an idle engine)."""
+    import asyncio
+
+    from mlxserve.config import EngineConfig
+    from mlxserve.engine.engine import AsyncEngine
+    from mlxserve.engine.request import Request, SamplingParams
+
+    engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig(block_size=16, disk_cache_dir=str(tmp_path))).start()
+    disk = engine.prefix_cache.disk
+
+    async def go():
+        long = engine.submit(Request(list(range(100, 120)), SamplingParams(max_tokens=2000, ignore_eos=True)))
+        first = await long.__anext__()  # decoding now
+        short = [[1000 + 97 * i + j for j in range(64)] for i in range(4)]
+        for prompt in short:  # each stores 4 full blocks
+            async for _ in engine.submit(Request(prompt, SamplingParams(max_tokens=1))):
+                pass
+        written_while_busy = 0
+        async for out in long:
+            written_while_busy = max(written_while_busy, disk.writes)
+            if out.finished or written_while_busy >= 16:
+                break
+        return first, written_while_busy
+
+    try:
+        first, written = asyncio.run(go())
+        assert first.new_token_ids and written >= 16
+    finally:
+        engine.stop()

@@ -6,15 +6,21 @@ its parent's key (keys hash the model fingerprint, so models never mix; the
 parent in the name lets a lookup list a block's cached children without
 opening a file). A block whose missing layers are filled in later in memory
 (sliding-window KV, a recurrent state) is written again. Writing has two
-halves. The engine thread copies a block's arrays to host memory when it has
-nothing else to do (`copy_pending`, called from its idle loop), so a prefill
-never waits for it; a background thread writes the file (to a temporary name,
-then renamed, so a crash leaves no half file under a real name). Blocks wait
-at most `MAX_WAITING` deep: under load that never lets the engine idle, the
-newest are skipped (counted: a block is found only through its parent, which
-was noted before it), never the engine slowed. At start the index is
-rebuilt from the folder (a restart, or a crash, loses only what was not
-written yet) and the temporary files of writers that died are deleted.
+halves. The engine thread copies a block's arrays to host memory (MLX arrays
+are read on the thread that owns MLX): a few blocks after each step while it
+is busy, any number while it is idle (`copy_pending`), and never more than the
+writer's queue takes, so a busy hour is written as it goes, not only in the
+pauses, and a disk slower than the engine never slows a step. A background
+thread writes the file (to a temporary name, then renamed, so a crash leaves
+no half file under a real name), within two budgets against SSD wear: bytes per
+second (it waits) and bytes per day (past it, blocks are not written). Blocks
+wait at most `MAX_WAITING` deep: past that the newest are skipped (a block is
+found only through its parent, which was noted before it). Every block not
+written is counted by why (`skipped`): the backlog was full, its parent was
+not written, it left memory before its turn, or the day's budget was spent. At
+start the index is rebuilt from the folder (a restart, or a crash, loses only
+what was not written yet) and the temporary files of writers that died are
+deleted.
 
 A prefix lookup that runs past the hot tier's blocks reads the rest of the
 chain from here back into the hot tier. Bounded in bytes: the least recently
@@ -48,8 +54,10 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
 ROOT = "root"  # the parent part of a prompt's first block's file name
-MAX_WAITING = 64  # blocks stored in memory, not yet copied for writing
+MAX_WAITING = 1024  # blocks stored in memory, not yet copied for writing (references, no copies)
 MAX_QUEUED = 16  # copied blocks waiting for the writer thread (host memory held)
+COPIES_PER_STEP = 4  # blocks copied after a busy step: more than decoding stores, little time
+SKIP_REASONS = ("backlog", "orphan", "evicted", "daily_budget")
 STALE_TMP_S = 600  # a temporary file this old was left by a write that died (another host's too)
 PEEKS = 4096  # tokens of files read from their headers, kept to choose partial matches
 # Temporary files name their writer (host, pid), so a start deletes a dead writer's at once
@@ -57,8 +65,48 @@ PEEKS = 4096  # tokens of files read from their headers, kept to choose partial 
 _HOST = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
 
 
+class WriteBudget:
+    """Bytes per second (a write waits for its turn) and bytes per day (a write past it is
+    refused), as token buckets: a day's budget may be spent in a burst, then refills evenly."""
+
+    DAY_S = 86400.0
+
+    def __init__(self, per_second: int | None, per_day: int | None, clock=time.monotonic):
+        self.per_second, self.per_day, self.clock = per_second, per_day, clock
+        now = clock()
+        self._second = (float(per_second or 0), now)  # (bytes available, when)
+        self._day = (float(per_day or 0), now)
+        self.waited_s = 0.0
+
+    @staticmethod
+    def _refill(bucket, rate: float, capacity: float, now: float) -> float:
+        level, then = bucket
+        return min(capacity, level + (now - then) * rate)
+
+    def take(self, nbytes: int, sleep=time.sleep) -> bool:
+        """Wait for the per-second budget, then spend `nbytes`; False (nothing spent) if the
+        day's budget is short of it."""
+        now = self.clock()
+        if self.per_day:
+            level = self._refill(self._day, self.per_day / self.DAY_S, self.per_day, now)
+            if level < nbytes:
+                self._day = (level, now)
+                return False
+            self._day = (level - nbytes, now)
+        if self.per_second:
+            # One second's worth of burst; a block larger than that waits until it is all paid.
+            level = self._refill(self._second, self.per_second, self.per_second, now)
+            if level < nbytes:
+                wait = (nbytes - level) / self.per_second
+                sleep(wait)
+                self.waited_s += wait
+                now, level = self.clock(), nbytes
+            self._second = (level - nbytes, now)
+        return True
+
+
 class DiskTier:
-    def __init__(self, folder, budget_bytes: int):
+    def __init__(self, folder, budget_bytes: int, *, write_rate: int | None = None, daily_writes: int | None = None):
         self.folder = Path(folder).expanduser()
         try:  # fail at start, with the reason, rather than on every block
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -80,7 +128,9 @@ class DiskTier:
         self.writes = 0
         self.evictions = 0
         self.faults = 0  # blocks that could not be copied or written
-        self.skipped = 0  # blocks never written: the engine was busy for MAX_WAITING blocks, or their parent was
+        self.skips = dict.fromkeys(SKIP_REASONS, 0)  # blocks never written, by why (the module's doc)
+        self.written_bytes = 0
+        self.budget_writes = WriteBudget(write_rate, daily_writes)
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # files deleted instead of served, by reason
         self.abandoned = 0  # temporary files of dead writers deleted at start
         self._warned = False
@@ -151,6 +201,10 @@ class DiskTier:
     def drops(self) -> int:
         return sum(self.dropped.values())
 
+    @property
+    def skipped(self) -> int:
+        return sum(self.skips.values())
+
     # ---- write: save (engine thread), copy_pending (engine thread, idle), the writer thread ----
 
     def save(self, block, update: bool = False) -> None:
@@ -167,8 +221,11 @@ class DiskTier:
             # too many wait the newest go, and a block whose parent went (or was never written)
             # goes too; the oldest going would leave every later block of a chain an orphan.
             reachable = parent is None or parent in self._index or parent in self._queued
-        if len(self._waiting) >= MAX_WAITING or not (reachable or parent in self._waiting):
-            self.skipped += 1
+        if not (reachable or parent in self._waiting):
+            self.skips["orphan"] += 1
+            return
+        if len(self._waiting) >= MAX_WAITING:
+            self.skips["backlog"] += 1
             return
         self._waiting[key] = block
 
@@ -185,7 +242,7 @@ class DiskTier:
                 break
             key, b = self._waiting.popitem(last=False)
             if not b.cached:  # evicted from memory meanwhile: too cold to be worth writing
-                self.skipped += 1
+                self.skips["evicted"] += 1
                 continue
             try:
                 host, meta = to_host(b)
@@ -197,6 +254,10 @@ class DiskTier:
             self._queue.put((key, b.parent, host, meta))
             copied += 1
         return copied
+
+    def copy_after_step(self) -> int:
+        """The few blocks a busy engine copies between two steps (engine thread)."""
+        return self.copy_pending(COPIES_PER_STEP)
 
     def _fail(self, what: str, error: Exception) -> None:
         with self._lock:
@@ -212,6 +273,12 @@ class DiskTier:
                 return
             key, parent, host, meta = job
             tmp = self.folder / _tmp_name(key.hex())
+            if not self.budget_writes.take(sum(a.nbytes for a in host.values())):
+                with self._lock:
+                    self.skips["daily_budget"] += 1
+                    self._queued.discard(key)
+                self._queue.task_done()
+                continue
             try:
                 write_block(tmp, host, meta)
                 size = tmp.stat().st_size
@@ -222,6 +289,7 @@ class DiskTier:
                 with self._lock:
                     self._add(key, parent, size)
                     self.writes += 1
+                    self.written_bytes += size
                     self._evict_over_budget()
             except Exception as e:  # noqa: BLE001 - a full disk must not stop the server
                 try:
@@ -330,8 +398,10 @@ class DiskTier:
             return {"folder": str(self.folder), "blocks": len(self._index), "bytes": self.bytes,
                     "budget": self.budget, "reads": self.reads, "writes": self.writes,
                     "evictions": self.evictions, "faults": self.faults, "skipped": self.skipped,
-                    "waiting": len(self._waiting), "dropped": dict(self.dropped),
-                    "abandoned_tmp": self.abandoned}
+                    "skipped_by_reason": dict(self.skips), "written_bytes": self.written_bytes,
+                    "write_wait_s": round(self.budget_writes.waited_s, 3),
+                    "waiting": len(self._waiting), "queued": len(self._queued),
+                    "dropped": dict(self.dropped), "abandoned_tmp": self.abandoned}
 
 
 def _extra(extra):

@@ -17,8 +17,10 @@ def engine_counters(engine) -> dict:
         d = pc.disk
         if d is not None:
             out["disk"] = {"reads": d.reads, "writes": d.writes, "evictions": d.evictions, "faults": d.faults,
-                           "skipped": d.skipped, "abandoned": d.abandoned, "bytes": d.bytes,
-                           "dropped": dict(list(d.dropped.items()))}  # a fixed set of keys
+                           "abandoned": d.abandoned, "bytes": d.bytes, "written_bytes": d.written_bytes,
+                           "write_wait_s": d.budget_writes.waited_s,
+                           "dropped": dict(list(d.dropped.items())),  # fixed sets of keys
+                           "skips": dict(list(d.skips.items()))}
     vc = engine.vision_cache
     if vc is not None:
         out["vision_cache"] = {"hits": vc.hits, "misses": vc.misses, "evictions": vc.evictions,

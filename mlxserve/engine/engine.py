@@ -376,7 +376,9 @@ class AsyncEngine:
             if cfg.disk_cache_dir:
                 from mlxserve.cache.disk import DiskTier
 
-                disk = DiskTier(cfg.disk_cache_dir, parse_size(cfg.disk_cache_size))
+                disk = DiskTier(cfg.disk_cache_dir, parse_size(cfg.disk_cache_size),
+                                write_rate=parse_size(cfg.disk_cache_write_rate) or None,
+                                daily_writes=parse_size(cfg.disk_cache_daily_writes) or None)
             self.prefix_cache = PrefixCache(BlockPool(parse_size(cfg.cache_memory)),
                                             cfg.block_size,
                                             fingerprint, model=self.loaded.model, disk=disk,
@@ -533,6 +535,8 @@ class AsyncEngine:
                 finally:
                     self.watchdog.end()
                 self.steps += 1
+                if disk is not None and disk.has_waiting:  # busy for long: write as it goes
+                    disk.copy_after_step()
                 for seq, message in scheduler.runner.failed:
                     outbox.setdefault(seq.request_id, []).append(StreamFailure(message))
                 scheduler.runner.failed.clear()
