@@ -61,6 +61,11 @@ def add_parser(sub) -> None:
                    help="Share of image requests that send an image already sent (vision-cache hits).")
     p.add_argument("--warmup", type=float, default=0.2, help="Share of the run left out of the verdict.")
     p.add_argument("--tolerance", type=float, default=0.05, help="Largest fitted memory change counted as flat.")
+    p.add_argument("--latency-tolerance", type=float, default=0.25,
+                   help="Largest fitted change of the time to first token's p99 counted as flat.")
+    p.add_argument("--kill", action="store_true",
+                   help="End with kill -9 under load, then restart the server (its --disk-cache-dir in "
+                        "--server-args): how much of the memory tier the disk tier kept.")
     p.add_argument("--expected-status", default="",
                    help="Comma-separated HTTP statuses counted as refused, not errors (e.g. 429 when "
                         "--streams exceeds the server's queue on purpose).")
@@ -231,7 +236,11 @@ async def take_sample(stats_client, root: str, pid, t: float, ended) -> dict:
     stats = await get_json(stats_client, root + "/v1/cache/stats") or {}
     records = ended()
     memory = stats.get("mlx_memory") or {}
+    pc = stats.get("prefix_cache") or {}
+    disk = pc.get("disk") or {}
     s = {"t": t, "rss_bytes": rss_bytes(pid), "mlx_active_bytes": memory.get("active_bytes"),
+         "memory_blocks": pc.get("blocks"), "disk_blocks": disk.get("blocks"),
+         "memory_blocks_on_disk": disk.get("memory_blocks_on_disk"), "disk_skipped": disk.get("skipped"),
          "mlx_peak_bytes": memory.get("peak_bytes"), "mlx_cache_bytes": memory.get("cache_bytes"),
          "prefix_cache_bytes": (stats.get("prefix_cache") or {}).get("bytes"),
          "vision_cache_bytes": (stats.get("vision_cache") or {}).get("bytes"), **window(records)}
@@ -340,7 +349,7 @@ async def soak(args, url: str, model: str, pid: int | None, alive=None) -> dict:
             task.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
         duration = time.monotonic() - t0
-        after = await drain(stats_client, root)
+        after = {} if args.kill else await drain(stats_client, root)  # --kill: killed under load
     return {"duration_s": duration, "samples": samples, "requests": done, "cut_at_end": cut, "after": after,
             "images": traffic.images, "server_exited_at_s": exited}
 
@@ -380,14 +389,23 @@ def verdict(result: dict, args) -> dict:
     idle = None
     if "running" in after:
         idle = after["running"] == 0 and after.get("waiting", 0) == 0 and not after.get("in_use_blocks")
+    latency = trend(result["samples"], "ttft_p99_ms", after_t, args.latency_tolerance)
     checks = {"RSS flat": memory["rss_bytes"]["flat"], "MLX active memory flat": memory["mlx_active_bytes"]["flat"],
-              "no errors": tot["errors"] == 0, "engine idle after the run": idle}
+              "no errors": tot["errors"] == 0, "TTFT p99 flat": latency["flat"]}
+    if args.kill:
+        crash = result.get("crash") or {}
+        share = crash.get("share_on_disk")
+        checks["the disk tier held >= 95% of memory at the kill"] = None if share is None else share >= 0.95
+        checks["the restart found them"] = crash.get("found_after_restart")
+    else:
+        checks["engine idle after the run"] = idle
     if result["server_exited_at_s"] is not None:
         checks["the server ran to the end"] = False
     failed = [k for k, v in checks.items() if v is False]
     unjudged = [k for k, v in checks.items() if v is None]
     outcome = "FAIL" if failed else "INCOMPLETE" if unjudged else "PASS"
-    return {"outcome": outcome, "checks": checks, "memory": memory, "warmup_s": after_t, "tolerance": args.tolerance}
+    return {"outcome": outcome, "checks": checks, "memory": memory, "latency": latency, "warmup_s": after_t,
+            "tolerance": args.tolerance}
 
 
 class SoakServer(ChildServer):
@@ -435,6 +453,8 @@ def run(args) -> int:
         args.endpoint, args.ignore_eos = "chat", True  # for request_body: every request runs to its max_tokens
         print(f"soak: {args.streams} streams for {args.minutes:g} min against {url} ({model})", file=sys.stderr)
         result = asyncio.run(soak(args, url, model, pid, alive=child and (lambda: child.proc.poll() is None)))
+        if args.kill and child:
+            result["crash"] = kill_and_restart(child, args, result["samples"][-1])
     finally:
         exit_code = child.stop() if child else None
     result["server"] = {"url": url, "model": model, **server, "pid": pid,
@@ -447,11 +467,37 @@ def run(args) -> int:
     result["verdict"] = verdict(result, args)
     result["settings"] = {k: getattr(args, k) for k in (
         "streams", "minutes", "interval", "prompt_len", "max_tokens", "abort_rate", "prefix_reuse", "image_rate",
-        "image_px", "image_repeat", "warmup", "tolerance", "expected_status", "seed", "server_args")}
+        "image_px", "image_repeat", "warmup", "tolerance", "latency_tolerance", "kill", "expected_status", "seed",
+        "server_args")}
     text = soak_report.markdown(result, info, "mlxserve bench soak " + " ".join(sys.argv[3:]))
     print(text)
     report.write_result("soak", info, text, result, soak_report.plot, args.out_dir)
     return 0 if result["verdict"]["outcome"] == "PASS" else 1
+
+
+def kill_and_restart(child: "SoakServer", args, last: dict) -> dict:
+    """kill -9 the server right after its last sample under load, start it again on the same
+    folder, and count the blocks its disk tier finds."""
+    import httpx
+
+    child.kill()
+    share = None
+    if last.get("memory_blocks"):
+        share = last["memory_blocks_on_disk"] / last["memory_blocks"]
+    print(f"  kill -9 under load: {last.get('memory_blocks_on_disk')} of {last.get('memory_blocks')} blocks in "
+          f"memory were on disk; restarting", file=sys.stderr, flush=True)
+    again = SoakServer(args)
+    try:
+        again.wait_healthy(args.startup_timeout)
+        stats = httpx.get(again.url + "/cache/stats", timeout=60,
+                          headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}).json()
+        found = ((stats.get("prefix_cache") or {}).get("disk") or {}).get("blocks")
+    finally:
+        again.stop()
+    return {"memory_blocks": last.get("memory_blocks"), "on_disk_at_kill": last.get("memory_blocks_on_disk"),
+            "disk_blocks_at_kill": last.get("disk_blocks"), "share_on_disk": share,
+            "disk_blocks_after_restart": found,
+            "found_after_restart": None if found is None else found >= (last.get("disk_blocks") or 0)}
 
 
 def _has_psutil() -> bool:

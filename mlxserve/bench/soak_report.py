@@ -41,6 +41,19 @@ def markdown(result: dict, info: dict, command: str) -> str:
         ("mlx_other_bytes", "MLX active minus cache bytes (not judged)"))]
     md += [report.table(["after warm-up", "samples", "first MiB", "last MiB", "min MiB", "max MiB", "slope MiB/min",
                          "fitted change", "max vs min"], rows), ""]
+    lat = v.get("latency") or {}
+    if lat.get("flat") is not None:
+        md += [f"TTFT p99 per interval after the warm-up: {lat['first']:,.0f} ms first, {lat['last']:,.0f} ms last, "
+               f"{lat['min']:,.0f}-{lat['max']:,.0f} ms; the fitted line moves by {lat['fitted_change']:+.1%} "
+               f"(flat: at most {getattr(args, 'latency_tolerance', 0.25):.0%}).", ""]
+    crash = result.get("crash")
+    if crash:
+        share = crash["share_on_disk"]
+        md += ["## kill -9 under load\n",
+               f"At the last sample under load {crash['on_disk_at_kill']} of the {crash['memory_blocks']} blocks in "
+               f"memory were on disk ({'-' if share is None else f'{share:.1%}'}); the disk tier held "
+               f"{crash['disk_blocks_at_kill']} blocks. The server was killed with SIGKILL right after it and started "
+               f"again on the same folder: its disk tier found {crash['disk_blocks_after_restart']} blocks.", ""]
     finished = after.get("finished", {})
     md += ["## Requests\n",
            f"- ended: {t['requests']} ({t['ok']} completed, {t['aborted']} aborted by the client, {t['refused']} "
@@ -56,7 +69,9 @@ def markdown(result: dict, info: dict, command: str) -> str:
         vc = after["vision_cache"]
         md.append(f"- vision cache: {vc.get('hits')} hits, {vc.get('misses')} misses, {vc.get('evictions')} evictions")
     md += [f"- error: {n} x {msg}" for msg, n in t["error_messages"]]
-    if "exit_code" in s:
+    if result.get("crash"):
+        md.append("- the server was killed with SIGKILL under load (--kill): no drain, no exit status")
+    elif "exit_code" in s:
         logged = s["logged_errors"]
         md.append(f"- the server's exit status after SIGINT: {s['exit_code']}; lines it logged at ERROR or as a "
                   f"traceback: {len(logged)}" + (f" (first: `{logged[0]}`)" if logged else ""))
@@ -81,10 +96,12 @@ def sample_table(samples: list[dict], most: int = 40) -> str:
 
     return report.table(
         ["min", "RSS MiB", "MLX active MiB", "MLX kept MiB", "prefix cache MiB", "vision cache MiB", "ended",
-         "aborted", "errors", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 s", "e2e p99 s"],
+         "aborted", "errors", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 s", "e2e p99 s", "blocks on disk / in memory"],
         [[f"{s['t'] / 60:.2f}", mib(s["rss_bytes"]), mib(s["mlx_active_bytes"]), mib(s["mlx_cache_bytes"]),
           mib(s["prefix_cache_bytes"]), mib(s["vision_cache_bytes"]), s["requests"], s["aborted"], s["errors"],
-          s["ttft_p50_ms"], s["ttft_p99_ms"], s["e2e_p50_s"], s["e2e_p99_s"]] for s in shown])
+          s["ttft_p50_ms"], s["ttft_p99_ms"], s["e2e_p50_s"], s["e2e_p99_s"],
+          "-" if s.get("memory_blocks_on_disk") is None else f"{s['memory_blocks_on_disk']} / {s['memory_blocks']}"]
+         for s in shown])
 
 
 def replot(json_path) -> None:
