@@ -58,10 +58,16 @@ def fixtures(paths) -> list[Path]:
 
 
 def tokenizer_state(tokenizer) -> SimpleNamespace:
-    """What the routes' prompt builders read of a model's state, for a text-only model."""
+    """What the routes' prompt builders read of a model's state, for a text-only model. Its
+    `render` tokenizes on the caller's thread, so its time is what tokenizing takes."""
+    from mlxserve.api import tokens
     from mlxserve.api.tool_order import ToolOrder
 
-    return SimpleNamespace(tokenizer=tokenizer, loaded=SimpleNamespace(vision=None), tool_order=ToolOrder())
+    async def render(messages, **kwargs):
+        return tokens.render(tokenizer, messages, **kwargs)
+
+    return SimpleNamespace(tokenizer=tokenizer, loaded=SimpleNamespace(vision=None), tool_order=ToolOrder(),
+                           render=render)
 
 
 async def prompt_tokens(state, path: str, body: dict) -> list[int]:
