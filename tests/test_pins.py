@@ -126,6 +126,32 @@ def test_prefix_cache_pins_full_blocks_and_the_tail(tiny):
     assert pc.pool.stats()["pinned_blocks"] == 0 and pc.pool.stats()["in_use_blocks"] == 0
 
 
+
+def test_a_hybrid_pin_keeps_the_state_a_later_prompt_restores_from(tiny):
+    """A recurrent state exists only where a prefill pass stopped. A batch's prefill stops a
+    token short of a prompt that fills its blocks, and keeps the state there, in a tail under
+    the block before the last: a pin holds that tail too, so what goes on from the pinned
+    prompt still restores all but its last token after everything unpinned is gone."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    loaded = tiny("qwen3.5-tiny")
+    pc = PrefixCache(BlockPool(64 << 20), 8, loaded.fingerprint, model=loaded.model, checkpoint_interval=0)
+    prompt = list(range(100, 124))  # 3 full blocks
+    cache = make_prompt_cache(loaded.model)
+    for a, b in ((0, 23), (23, 24)):  # the prefill, then the first decode step's token
+        loaded.model(mx.array(prompt[a:b])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        pc.store_from_cache(cache, prompt, b, finished=b == 23, state=b == 23)
+    blocks, n = pc.pin(prompt)
+    assert n == 24 and len(blocks) == 4 and blocks[-1].num_tokens == 7
+    pc.reset()
+    match = pc.match(prompt + [5, 5])
+    assert match.num_tokens == 23 and all(b.pins == 1 for b in match.blocks)
+    pc.release(match)
+    pc.unpin(blocks)
+    pc.reset()
+    assert pc.pool.stats()["blocks"] == 0
+
 # ---- over HTTP: POST /v1/cache/pin, --pin at start ----
 
 SYSTEM = "You are the build agent. Follow the repository's rules, run the tests, report briefly."

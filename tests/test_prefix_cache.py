@@ -3,6 +3,8 @@
 import asyncio
 import json
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -300,3 +302,76 @@ def test_disk_tier_refuses_a_folder_it_cannot_write(tiny, tmp_path):
     engine = AsyncEngine(tiny("llama-tiny"), EngineConfig(disk_cache_dir=str(tmp_path / "a-file" / "kv")))
     with pytest.raises(RuntimeError, match="cannot be written"):
         engine.start()
+
+
+# ---- hybrids resume at the latest recurrent state kept ----
+
+# A tiny Baichuan-M1 (mlx-lm's baichuan_m1 ModelArgs): every layer a CacheList of a short
+# convolution's state and attention KV, a sliding window (two blocks) on 2 of 4 layers.
+BAICHUAN_M1 = dict(model_type="baichuan_m1", vocab_size=151936, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+                   sliding_window=64, sliding_window_layers=[1, 3], conv_window=2, rms_norm_eps=1e-5,
+                   tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hybrids")
+    configs = {"baichuan_m1": BAICHUAN_M1,
+               "granitemoehybrid": json.loads((Path(__file__).parent / "families.json").read_text())["granitemoehybrid"]}
+    loaded = {}
+
+    def get(name):
+        if name not in configs:
+            return tiny(name)
+        if name not in loaded:
+            (folder / f"{name}.json").write_text(json.dumps(configs[name]))
+            loaded[name] = load(str(folder / f"{name}.json"), load_format="dummy", progress=False)
+        return loaded[name]
+    return get
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid", "baichuan_m1", "qwen3.5-tiny"])
+def test_a_hybrids_next_turn_resumes_at_the_latest_state_kept(hybrid, name, tmp_path):
+    """An agent's turn 2 goes on from turn 1's prompt and (part of) its answer. Recurrent layers
+    restore only where a state was kept: 32-token blocks, a state every 4 blocks, at each prompt's
+    last block end and at its last token but one (a tail), none in the answer's blocks. Turn 2
+    resumes at the latest such state at or before where it parts from turn 1, with the tokens it
+    gives uncached; from memory and, after a restart, from the disk tier."""
+    loaded = hybrid(name)
+    settings = dict(block_size=32)  # the CPU's default; the default checkpoint interval (4)
+    short, exact = prompt_of(337, 71), prompt_of(512, 72)
+    runs = {}
+    for solo in (True, False):
+        disk, restarted = tmp_path / f"kv-{solo}", tmp_path / f"kv-{solo}-restarted"
+        on = AsyncEngine(loaded, EngineConfig(solo_fast_path=solo, disk_cache_dir=str(disk), **settings)).start()
+        try:
+            (answer1, _), = run(on, [short], greedy(25))
+            (answer2, _), = run(on, [exact], greedy(20))
+            on.call(on.prefix_cache.disk.flush).result()
+            shutil.copytree(disk, restarted)  # turn 1's blocks, as a restarted server finds them
+            # Parts at 356, inside the answer's first block (352-384): the states at 336 (the
+            # prompt's tail), 320 (its last block end), 256 and 128 are before it.
+            turn2 = [(short + answer1)[:356] + prompt_of(10, 73),
+                     # Parts at 520, in the answer: the prompt's 16 blocks end at 512.
+                     exact + answer2[:8] + prompt_of(10, 74)]
+            runs[solo, "memory"] = [run(on, [p])[0] for p in turn2]
+        finally:
+            on.stop()
+        again = AsyncEngine(loaded, EngineConfig(solo_fast_path=solo, disk_cache_dir=str(restarted),
+                                                 **settings)).start()
+        try:
+            runs[solo, "disk"] = [run(again, [p])[0] for p in turn2]
+        finally:
+            again.stop()
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
+    try:
+        reference = [run(off, [p])[0][0] for p in turn2]
+    finally:
+        off.stop()
+    for (solo, tier), got in runs.items():
+        assert [tokens for tokens, _ in got] == reference, (solo, tier)
+        # The solo path's last prefill pass ends at the 512-token prompt's end and keeps the
+        # state there; a batch's prefill stops a token short (the first decode step runs the
+        # last token), at the tail it keeps at 511.
+        assert [cached for _, cached in got] == [336, 512 if solo else 511], (solo, tier)

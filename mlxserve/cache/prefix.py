@@ -191,24 +191,20 @@ class PrefixCache:
         partial = False
         try:
             num = self._restorable(blocks, specs, best) if blocks else 0
-            # Past the last whole block: the best cached continuation, token by token. With
-            # recurrent layers only a whole tail (its state sits at its end), after every
-            # block found: those may lack the state a restore at their own end needs.
-            start = found * bs if has_state else num
             keep, tail = -(-num // bs), None
-            if start % bs == 0 and start < usable:
-                parent, rest = hashes[start // bs - 1] if start else None, token_ids[start:usable]
-                extra = extra_at(extra_keys, start // bs)
-                children = self._partial_children(parent, rest, extra)
-                if from_disk and self._read_children(parent, rest, extra, children, has_state):
-                    children = self._partial_children(parent, rest, extra)
-                for child, n in children:
-                    if has_state and n != len(child.token_ids):
-                        continue
-                    head = blocks[:start // bs]
-                    if self._restorable(head + [child], specs, start + n, state_end=start + n) == start + n:
-                        keep, tail, num = len(head), child, start + n
-                        break
+            # Past a block end at or after `num`, the best cached continuation, token by token
+            # (a block that parts from the prompt midway, a prompt's or a finished request's
+            # partial last block). Block ends from the last one found back to `num`: with
+            # recurrent layers only a whole tail serves (its state sits at its end), and the
+            # one that does may be blocks back, as turn 1's prompt tail is from turn 2, whose
+            # blocks of turn 1's answer were stored without states.
+            for k in range(found, keep - 1, -1):
+                got = self._tail_at(blocks, hashes, k, token_ids, usable, extra_keys, specs, has_state,
+                                    from_disk, skip=hashes[k] if k < found else None)
+                if got is not None:
+                    tail, n = got
+                    keep, num = k, k * bs + n
+                    break
             self.pool.release(blocks[keep:])
             blocks = blocks[:keep]
             if tail is not None:
@@ -223,6 +219,27 @@ class PrefixCache:
                 return PrefixMatch([], 0, hashes, miss="damaged")
             return PrefixMatch([], 0, hashes, miss=self._miss_reason(token_ids, extra_keys, hashes, best, found))
         return PrefixMatch(blocks, num, hashes, partial=partial)
+
+    def _tail_at(self, blocks, hashes, k: int, token_ids, usable: int, extra_keys, specs, has_state: bool,
+                 from_disk: bool, skip=None):
+        """(block, n): the cached child of block k - 1 (a first block if k is 0) whose first n
+        tokens continue the prompt from token k * block_size, restorable there after the
+        prompt's `blocks` 0..k-1, the furthest such; None if none. `skip`: the prompt's own
+        block k, whose end the caller has tried already."""
+        start = k * self.block_size
+        if start >= usable:
+            return None
+        parent, rest = hashes[k - 1] if k else None, token_ids[start:usable]
+        extra = extra_at(extra_keys, k)
+        children = self._partial_children(parent, rest, extra, skip)
+        if from_disk and self._read_children(parent, rest, extra, children, has_state):
+            children = self._partial_children(parent, rest, extra, skip)
+        for child, n in children:
+            if has_state and n != len(child.token_ids):
+                continue
+            if self._restorable(blocks[:k] + [child], specs, start + n, state_end=start + n) == start + n:
+                return child, n
+        return None
 
     def _lookup(self, hashes, from_disk: bool = True) -> list:
         """The longest run of cached blocks from the start of `hashes`, acquired: the hot
@@ -336,16 +353,17 @@ class PrefixCache:
         return block_key(block.token_ids, self.block_size, fingerprint=self.fingerprint,
                          extra=block.extra) == block.hash
 
-    def _partial_children(self, parent, rest, extra) -> list:
-        """[(block, n)]: the cached children of `parent` whose first n >= 1 tokens (and the
-        media among them) are the first n of `rest`, longest first. (A block completed after
-        a sliding window moved on may lack layers that a shorter tail holds.)"""
-        rest = np.asarray(rest[: self.block_size], dtype=np.int32)
-        found = []
+    def _partial_children(self, parent, rest, extra, skip=None) -> list:
+        """[(block, n)]: the cached children of `parent` but `skip` whose first n >= 1 tokens
+        (and the media among them) are the first n of `rest`, longest first. (A block completed
+        after a sliding window moved on may lack layers that a shorter tail holds.)"""
+        found, ids = [], None
         for child in self.pool.children(parent, PARTIAL_CANDIDATES):
-            if child.token_ids is None or (parent is None and not self._keyed_here(child)):
+            if child.hash == skip or child.token_ids is None or (parent is None and not self._keyed_here(child)):
                 continue
-            n = overlap(child.token_ids, child.extra, rest, extra)
+            if ids is None:  # most block ends have one child, the prompt's own block: `skip`
+                ids = np.asarray(rest[: self.block_size], dtype=np.int32)
+            n = overlap(child.token_ids, child.extra, ids, extra)
             if n > 0:
                 found.append((child, n))
         return sorted(found, key=lambda cn: -cn[1])
@@ -407,14 +425,16 @@ class PrefixCache:
     def pin(self, token_ids) -> tuple[list, int]:
         """Pin the cached blocks that hold `token_ids` from its start: its full blocks (from
         disk too), then the cached block that continues them furthest into the rest (a
-        finished prompt's tail). Returns (the blocks, how many tokens of `token_ids` they
-        hold); give them back with `unpin`. Unlike `match`, nothing is held back for the
-        last token: a pinned prefix is the start of later prompts, not a prompt."""
+        finished prompt's tail), and those a prompt going on from this one restores from.
+        Returns (the blocks, how many tokens of `token_ids` they hold); give them back with
+        `unpin`. Unlike `match`, nothing is held back for the last token: a pinned prefix is
+        the start of later prompts, not a prompt."""
         if self.disabled:
             raise ValueError(f"the prefix cache is off for this model: {self.disabled}")
         bs = self.block_size
         hashes = hash_blocks(token_ids, bs, fingerprint=self.fingerprint)
         blocks = self._lookup(hashes)
+        restored = []
         try:
             num = len(blocks) * bs
             if len(blocks) == len(hashes) and num < len(token_ids):
@@ -423,10 +443,16 @@ class PrefixCache:
                     child, n = found[0]
                     blocks += self.pool.lookup([child.hash])
                     num += n
-            self.pool.pin(blocks)
+            # And the blocks a prompt that goes on from this one restores from: with recurrent
+            # layers that may be a shorter tail, blocks back, where a state was kept.
+            restored = self._match_upto(token_ids, None, len(token_ids), from_disk=True).blocks
+            have = {b.hash for b in blocks}
+            pinned = blocks + [b for b in restored if b.hash not in have]
+            self.pool.pin(pinned)
         finally:
             self.pool.release(blocks)  # the pins hold their own references
-        return blocks, num
+            self.pool.release(restored)
+        return pinned, num
 
     def unpin(self, blocks) -> None:
         self.pool.unpin(blocks)
