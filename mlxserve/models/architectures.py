@@ -20,10 +20,41 @@ def text_architectures() -> list[str]:
                   if m.name not in _HELPERS and not m.name.startswith("_"))
 
 
+def _refused() -> dict[str, str]:
+    import importlib.util
+
+    import mlx.core as mx
+
+    refused = {}
+    if importlib.util.find_spec("hf_olmo") is None:
+        # mlx-lm 0.32's olmo.py calls sys.exit(1) at import without it: the server would just end.
+        refused["olmo"] = ("mlx-lm's OLMo (1) needs the ai2-olmo package (pip install ai2-olmo), "
+                           "which is not installed")
+    if not mx.metal.is_available():
+        metal = "has no code path without Metal, which this machine lacks"
+        refused["bitnet"] = f"mlx-lm's BitNet (ternary BitLinear layers, a Metal kernel) {metal}"
+        refused["muse_spark"] = f"mlx-lm's Muse Spark (fused QK-norm/RoPE and routing Metal kernels) {metal}"
+    return refused
+
+
+# Model types mlxserve refuses at load, with why, on this machine (docs/architectures.md lists
+# them; tests/test_architectures.py checks each is refused, so the list cannot go stale).
+REFUSED: dict[str, str] = _refused()
+
+
+def check_served(config: dict, source: str) -> None:
+    """A one-line ModelLoadError if `config`'s model type is on REFUSED."""
+    family = config.get("model_type")
+    if family in REFUSED:
+        raise ModelLoadError(f"{source}: model type {family!r} cannot be served: {REFUSED[family]}")
+
+
 def text_model_classes(config: dict, source: str):
-    """mlx-lm's (Model, ModelArgs) for `config`; a one-line ModelLoadError if it has none."""
+    """mlx-lm's (Model, ModelArgs) for `config`; a one-line ModelLoadError if it has none
+    or mlxserve refuses it (REFUSED)."""
     from mlx_lm.utils import _get_classes
 
+    check_served(config, source)
     try:
         return _get_classes(config)
     except ValueError:

@@ -20,7 +20,8 @@ INIT_VERSION = 5
 
 
 def resolve_config(config_or_shape) -> dict:
-    """A named shape, a config dict, or a path to config.json (or its folder)."""
+    """A named shape, a config dict, a path to config.json (or its folder), or an mlx-lm
+    model type (a tiny config of it, models/tiny.py)."""
     if isinstance(config_or_shape, dict):
         return copy.deepcopy(config_or_shape)
     if config_or_shape in SHAPES:
@@ -34,6 +35,12 @@ def resolve_config(config_or_shape) -> dict:
         config.pop("quantization", None)
         config.pop("quantization_config", None)
         return config
+    from mlxserve.models.architectures import text_architectures
+
+    if config_or_shape in text_architectures():  # a bare mlx-lm model type: its tiny config
+        from mlxserve.models.tiny import tiny_config
+
+        return tiny_config(config_or_shape)
     raise KeyError(config_or_shape)
 
 
@@ -107,11 +114,13 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
     from mlx.utils import tree_flatten
 
     tc = text_config(config)
-    hidden, vocab = tc["hidden_size"], tc["vocab_size"]
+    vocab = tc.get("vocab_size") or tc["num_vocab"]  # (Phixtral's name for it)
     # Soft-capped logits (cap * tanh(x / cap): Gemma 2/4) squash large ones together; the
     # top-1/top-2 gap after the cap is widest near std 0.17 * cap.
     logit_std = min(LOGIT_STD, 0.17 * (tc.get("final_logit_softcapping") or math.inf))
     embeds, heads = _vocab_modules(model, vocab)
+    # The residual width; where a config names it otherwise (n_embd, d_model, ...), the input embedding's.
+    hidden = tc.get("hidden_size") or dict(model.named_modules())[min(embeds)].weight.shape[-1]
     tied = not heads
     offsets = _norm_offsets(model)
     # Gemma multiplies embeddings by sqrt(hidden).
@@ -125,7 +134,9 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
     weights = {}
     for name, p in tree_flatten(model.parameters()):
         module = name.rsplit(".", 1)[0]
-        if module in embeds and name.endswith(".weight"):
+        if not mx.issubdtype(p.dtype, mx.floating):
+            w = p  # packed integer weights (a pre-quantized layer): the class's own, zeros
+        elif module in embeds and name.endswith(".weight"):
             w = uniform(seed, name, p.shape, embed_std)
         elif module in heads and name.endswith(".weight"):
             w = uniform(seed, name, p.shape, logit_std / math.sqrt(p.shape[-1]))

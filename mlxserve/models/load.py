@@ -1,5 +1,6 @@
 """One entry point for every kind of model source."""
 
+import functools
 import hashlib
 import json
 import os
@@ -167,8 +168,6 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
-    from mlx_lm.utils import load_tokenizer
-
     from mlxserve.models.dummy import INIT_VERSION, build_dummy, resolve_config
     from mlxserve.models.shapes import SHAPES
     from mlxserve.models.embedded import default_dtype, default_tokenizer_dir
@@ -177,7 +176,8 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
         config = resolve_config(source)
     except KeyError:
         raise ModelLoadError(
-            f"{source}: not a named shape ({', '.join(SHAPES)}) nor a config.json or a folder holding one"
+            f"{source}: not a named shape ({', '.join(SHAPES)}), a config.json or a folder holding one, "
+            "nor an mlx-lm model type (a tiny config of it)"
         ) from None
     dtype = dtype or default_dtype()
     preprocessor = config.get("preprocessor_config", {})
@@ -187,7 +187,7 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
         sort_keys=True,
     )
     name = served_name(source, "dummy")
-    tokenizer = load_tokenizer(default_tokenizer_dir())
+    tokenizer = default_tokenizer()
     materialize(model)
     return LoadedModel(
         model=model,
@@ -199,6 +199,17 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
         source=source,
         tokenizer_dir=default_tokenizer_dir(),
     ).with_vision(preprocessor)
+
+
+@functools.lru_cache(maxsize=1)
+def default_tokenizer():
+    """The default model's tokenizer, which every dummy model uses: read once per process
+    (1.5-2 s on a CPU), one object for them all (nothing changes a tokenizer once loaded)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxserve.models.embedded import default_tokenizer_dir
+
+    return load_tokenizer(default_tokenizer_dir())
 
 
 def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits) -> LoadedModel:
