@@ -30,13 +30,14 @@ from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import top_logprobs
 from mlxserve.engine.scoring import PromptScorer
 from mlxserve.engine.speculative import verify
-from mlxserve.models import llama4_batch
+from mlxserve.models import llama4_batch, mlx_lm_fixes
 from mlxserve.models.last_logits import head_owner, last_logits
 
 log = logging.getLogger("mlxserve.engine")
 constrained.install()  # batches mask their constrained rows together (engine/grammar.py)
 chunked.install()  # Llama 4's chunked-attention caches merge into a batch (cache/chunked.py)
 llama4_batch.install()  # and its forward pass takes them (models/llama4_batch.py)
+mlx_lm_fixes.install()  # other model types' code, where a batch or a cache hit changed tokens
 
 
 @dataclass

@@ -2,12 +2,13 @@
 underneath, each found by the family coverage tests (tests/test_families.py)."""
 
 # Recurrent mixers in mlx-lm 0.32.2 that ignore a batch's per-row lengths: a prompt
-# right-padded in a batched prefill carries the padding into its recurrent state, and its
-# tokens change (tests/test_families.py shows it for Jamba, OLMo-hybrid and Nemotron-H; the
-# others never read the lengths). Their prompts are prefilled one at a time; decoding
+# padded in a batched prefill carries the padding into its recurrent state, and its
+# tokens change (tests/test_families.py shows it for Jamba, OLMo-hybrid and Nemotron-H,
+# tests/test_architectures.py for Bailing-MoE-linear, whose linear attention reads no mask;
+# the others never read the lengths). Their prompts are prefilled one at a time; decoding
 # still batches.
 SERIAL_PREFILL = frozenset({"jamba", "olmo_hybrid", "nemotron_h", "mamba", "baichuan_m1", "recurrent_gemma",
-                            "rwkv7", "longcat_flash_ngram"})
+                            "rwkv7", "longcat_flash_ngram", "bailing_moe_linear"})
 
 
 # The same for mlx-vlm's language models (vision-language folders): mlx-vlm 0.7.10's Qwen3.5
