@@ -97,3 +97,52 @@ def check_restart_from_disk(loaded, settings, folder):
     # All but the last token, as from memory: the finished prompt's partial last block is on disk too.
     assert cold_cached == 0 and warm_cached == len(prompt) - 1
     assert stats["disk"]["reads"] >= 64 // bs
+
+
+def check_served_alike(loaded, settings, folder, block_granular=False, tokens=4):
+    """The generated architecture test's check, in three engine starts and nine requests:
+    greedy tokens of three prompts (75, 79 and 60 tokens, sharing 70 and 40) are the same
+    alone and in a batch of 3 with the cache off, in a batch of 2 cold, on a full hit, on a
+    partial hit and in a batch of hits with the cache on, and after a restart from the
+    disk tier. A model the engine says it cannot cache (`serving["caches"]`) must hit
+    nothing, with the same tokens. Returns (the engine's `serving`, the cache's stats)."""
+    bs = settings["block_size"]
+    params = greedy(tokens)
+    shared = prompt_of(70, 1)
+    a, b, c = shared + prompt_of(5, 2), shared + prompt_of(9, 3), shared[:40] + prompt_of(20, 4)
+    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
+    try:
+        reference = [run(off, [p], params)[0][0] for p in (a, b, c)]
+        three = run(off, [a, b, c], params)
+    finally:
+        off.stop()
+    assert [t for t, _ in three] == reference, f"a batch of 3: {three} != alone {reference}"
+
+    disk = dict(disk_cache_dir=str(folder), **settings)
+    on = AsyncEngine(loaded, EngineConfig(**disk)).start()
+    try:
+        serving = on.serving
+        two = run(on, [a, c], params)
+        (hit, hit_cached), = run(on, [a], params)  # the whole prompt but its last token
+        (part, part_cached), = run(on, [b], params)  # shares the first 70 tokens
+        batch = run(on, [a, b, c], params)  # hits inside a batch
+        stats = asyncio.run(on.cache_stats())["prefix_cache"]
+    finally:
+        on.stop()  # writes what is queued to the disk tier
+    caches = serving["caches"]
+    assert [t for t, _ in two] == [reference[0], reference[2]], f"a batch of 2: {two} != alone {reference}"
+    full = len(a) - 1 if caches else 0
+    assert (hit, hit_cached) == (reference[0], full), f"a full hit: {hit, hit_cached} != {reference[0]}"
+    partial = (70 // bs * bs if block_granular else 70) if caches else 0
+    assert (part, part_cached) == (reference[1], partial), f"a partial hit: {part, part_cached} != {reference[1]}"
+    assert [t for t, _ in batch] == reference and all((n > 0) == caches for _, n in batch), f"a batch of hits: {batch}"
+
+    restarted = AsyncEngine(loaded, EngineConfig(**disk)).start()  # an empty hot tier: a restart
+    try:
+        (warm, warm_cached), = run(restarted, [a], params)
+        disk_stats = asyncio.run(restarted.cache_stats())["prefix_cache"]["disk"]
+    finally:
+        restarted.stop()
+    assert (warm, warm_cached) == (reference[0], full), f"after a restart: {warm, warm_cached}"
+    assert serving["survives_restart"] == caches and (disk_stats["reads"] >= 64 // bs) == caches
+    return serving, stats

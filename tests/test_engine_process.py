@@ -83,6 +83,12 @@ def test_answers_are_those_of_the_in_process_engine(server, remote, kwargs):
         assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
 
 
+def test_v1_models_says_how_the_model_is_served_as_in_process(server, remote):
+    here, there = (httpx.get(f"{live.base_url}/models/{MODEL}").json()["serving"] for live in (server, remote))
+    assert there == here and there["batches"] and there["caches"]
+    assert there["layer_kinds"] == {"full attention": 2}  # qwen3-tiny's 2 layers
+
+
 def test_streams_stop_strings_and_the_prefix_cache(remote):
     client = client_of(remote)
     whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)

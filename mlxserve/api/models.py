@@ -70,6 +70,8 @@ def model_card(state: ServerState, entry) -> dict:
     engine = entry.engine
     return {"id": entry.name, "object": "model", "created": state.started, "owned_by": "mlxserve",
             "max_model_len": engine.max_model_len if engine is not None else None,
+            # Layer kinds; whether it batches, caches, survives a restart (engine/capabilities.py).
+            "serving": engine.serving if engine is not None else None,
             "aliases": state.pool.aliases_of(entry), **entry.describe()}
 
 

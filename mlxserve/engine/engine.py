@@ -73,6 +73,7 @@ class AsyncEngine:
         self.warmup = None  # a Warmup (engine/warmup.py) while its phases run, made on the MLX thread
         self.warmed = threading.Event()  # set once the warm-up is over (or off)
         self.warmup_status = {"state": "off"}  # its outcome, for /health (Warmup.status())
+        self.serving = None  # how the model is served (engine/capabilities.py), known once started
 
     # ---- lifetime ----
     def start(self, wait_warmup: bool = False) -> "AsyncEngine":
@@ -360,6 +361,7 @@ class AsyncEngine:
         from mlxserve.engine.speculative import make_speculation
         from mlxserve.engine.warmup import make_warmup
         from mlxserve.models.dense import dense_prefill
+        from mlxserve.engine.capabilities import capabilities
         from mlxserve.models.families import prefill_batch_size, unbatchable_layers
 
         cfg = self.config
@@ -405,6 +407,12 @@ class AsyncEngine:
                         ", ".join(unbatchable))
             max_num_seqs = 1
         solo_path = cfg.solo_fast_path or bool(unbatchable)
+        self.serving = capabilities(self.loaded.model, self.loaded.config, disk=bool(cfg.disk_cache_dir),
+                                    cache_off=self.prefix_cache.disabled if self.prefix_cache else
+                                    "the server runs with --no-prefix-cache")
+        if not unbatchable and prefill_batch_size(self.loaded.config, 2) == 1:
+            log.info("prompts are prefilled one at a time (its recurrent layers would take a batch's padding "
+                     "into their state); decoding batches")
         self.speculation = make_speculation(cfg, self.loaded, solo_path=solo_path)
         def make_runner(prefix_cache, chunk, speculation):  # the engine's, and the warm-up's own
             return Runner(self.loaded.model, max_num_seqs=max_num_seqs, prefill_chunk_size=chunk,

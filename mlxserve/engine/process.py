@@ -86,6 +86,7 @@ class ProcessEngine(AsyncEngine):
         super().__init__(loaded, config)
         self.max_model_len = meta["max_model_len"]
         self.kv_budget = meta["kv_budget"]  # admission is checked here, as in-process
+        self.serving = meta["serving"]
         self._process = process
         self._conn = conn
         self._send_lock = threading.Lock()
@@ -429,7 +430,7 @@ def _serve_parent(conn, model_cfg, engine_cfg, log_level: int) -> None:
     send(("ready", {"tokenizer_dir": str(loaded.tokenizer_dir), "eos_token_ids": sorted(loaded.tokenizer.eos_token_ids),
                     "fingerprint": loaded.fingerprint, "name": loaded.name, "context_length": loaded.context_length,
                     "config": loaded.config, "source": loaded.source, "weights_nbytes": weights_nbytes(loaded),
-                    "max_model_len": engine.max_model_len, "kv_budget": engine.kv_budget,
+                    "max_model_len": engine.max_model_len, "kv_budget": engine.kv_budget, "serving": engine.serving,
                     "processor_config": loaded.vision.processor_config if loaded.vision is not None else None}))
 
     def report_warmed():
