@@ -10,7 +10,6 @@ tests/test_families.py covers with hand-written configs are left to it.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -22,11 +21,10 @@ from mlxserve.models.shapes import SHAPES
 from mlxserve.models.tiny import tiny_config
 
 from parity import check_served_alike
+from test_families import CONFIGS as FAMILIES, SHAPES as FAMILY_SHAPES
 
 SETTINGS = dict(block_size=16, prefill_chunk_size=32, checkpoint_interval=1, warmup=0)
 
-FAMILIES = json.loads((Path(__file__).parent / "families.json").read_text())
-FAMILY_SHAPES = ["qwen3.5-tiny", "gemma4-tiny", "gpt-oss-tiny", "lfm2-tiny"]  # tests/test_families.py's
 COVERED = {c["model_type"] for c in FAMILIES.values()} | {SHAPES[s]["model_type"] for s in FAMILY_SHAPES}
 TYPES = [t for t in text_architectures() if t not in REFUSED and t not in COVERED]
 
