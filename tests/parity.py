@@ -14,8 +14,10 @@ def greedy(n=8):
 
 
 async def generate(engine, prompt, params):
+    """`prompt`: token ids, or (token ids, PromptImages) for a vision-language model."""
+    ids, images = prompt if isinstance(prompt, tuple) else (prompt, [])
     tokens, last = [], None
-    async for step in engine.submit(Request(list(prompt), params)):
+    async for step in engine.submit(Request(list(ids), params, images=list(images))):
         tokens += step.new_token_ids
         last = step
     return tokens, last.cached_tokens
@@ -99,17 +101,27 @@ def check_restart_from_disk(loaded, settings, folder):
     assert stats["disk"]["reads"] >= 64 // bs
 
 
-def check_served_alike(loaded, settings, folder, block_granular=False, tokens=4):
+def _ids(prompt):
+    return prompt[0] if isinstance(prompt, tuple) else prompt
+
+
+def check_served_alike(loaded, settings, folder, block_granular=False, tokens=4, prompts=None):
     """The generated architecture test's check, in three engine starts and nine requests:
     greedy tokens of three prompts (75, 79 and 60 tokens, sharing 70 and 40) are the same
     alone and in a batch of 3 with the cache off, in a batch of 2 cold, on a full hit, on a
     partial hit and in a batch of hits with the cache on, and after a restart from the
     disk tier. A model the engine says it cannot cache (`serving["caches"]`) must hit
-    nothing, with the same tokens. Returns (the engine's `serving`, the cache's stats)."""
+    nothing, with the same tokens. Returns (the engine's `serving`, the cache's stats).
+
+    `prompts`: other prompts (a, b, c, shared), b sharing a's first `shared` tokens and c
+    fewer; each token ids or (token ids, PromptImages) (tests/test_vlm_architectures.py)."""
     bs = settings["block_size"]
     params = greedy(tokens)
-    shared = prompt_of(70, 1)
-    a, b, c = shared + prompt_of(5, 2), shared + prompt_of(9, 3), shared[:40] + prompt_of(20, 4)
+    if prompts is None:
+        shared, base = 70, prompt_of(70, 1)
+        a, b, c = base + prompt_of(5, 2), base + prompt_of(9, 3), base[:40] + prompt_of(20, 4)
+    else:
+        a, b, c, shared = prompts
     off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
     try:
         reference = [run(off, [p], params)[0][0] for p in (a, b, c)]
@@ -131,9 +143,9 @@ def check_served_alike(loaded, settings, folder, block_granular=False, tokens=4)
         on.stop()  # writes what is queued to the disk tier
     caches = serving["caches"]
     assert [t for t, _ in two] == [reference[0], reference[2]], f"a batch of 2: {two} != alone {reference}"
-    full = len(a) - 1 if caches else 0
+    full = len(_ids(a)) - 1 if caches else 0
     assert (hit, hit_cached) == (reference[0], full), f"a full hit: {hit, hit_cached} != {reference[0]}"
-    partial = (70 // bs * bs if block_granular else 70) if caches else 0
+    partial = (shared // bs * bs if block_granular else shared) if caches else 0
     assert (part, part_cached) == (reference[1], partial), f"a partial hit: {part, part_cached} != {reference[1]}"
     assert [t for t, _ in batch] == reference and all((n > 0) == caches for _, n in batch), f"a batch of hits: {batch}"
 
