@@ -158,3 +158,16 @@ def check_served_alike(loaded, settings, folder, block_granular=False, tokens=4,
     assert (warm, warm_cached) == (reference[0], full), f"after a restart: {warm, warm_cached}"
     assert serving["survives_restart"] == caches and (disk_stats["reads"] >= 64 // bs) == caches
     return serving, stats
+
+
+def check_causal(model):
+    """A later token never changes an earlier one's logits: a model that let a prompt's
+    tokens see later ones would give tokens that depend on where prefill chunks and cache
+    hits cut the prompt, often too little to flip a greedy token in a short test."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = prompt_of(20, 21)
+    first = model(mx.array([tokens]), cache=make_prompt_cache(model))[0, :-1]
+    other = model(mx.array([tokens[:-1] + [tokens[-1] + 1]]), cache=make_prompt_cache(model))[0, :-1]
+    assert mx.allclose(first, other, rtol=1e-4, atol=1e-4).item(), "a later token changed earlier logits"

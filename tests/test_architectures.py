@@ -20,7 +20,7 @@ from mlxserve.models.load import load
 from mlxserve.models.shapes import SHAPES
 from mlxserve.models.tiny import tiny_config
 
-from parity import check_served_alike
+from parity import check_causal, check_served_alike
 from test_families import CONFIGS as FAMILIES, SHAPES as FAMILY_SHAPES
 
 SETTINGS = dict(block_size=16, prefill_chunk_size=32, checkpoint_interval=1, warmup=0)
@@ -47,6 +47,7 @@ def served(loaded, folder):
 def test_model_type_is_served_batched_and_cached(model_type, tmp_path):
     loaded = load(model_type, load_format="dummy", progress=False)
     assert loaded.name == model_type
+    check_causal(loaded.model)
     serving = served(loaded, tmp_path / "kv")
     limited = model_type in ALONE_UNCACHED
     assert (serving["batches"], serving["caches"]) == (not limited, not limited), serving["limits"]
