@@ -154,7 +154,9 @@ class PrefixEncoder:
             if j >= 0 and old_chars[j] >= MIN_REUSE:
                 start = old_chars[j]
                 ids, chars, tokens = old_ids[:old_tokens[j]], old_chars[:j + 1], old_tokens[:j + 1]
-        encoding = self.fast.encode(text[start:], add_special_tokens=False)
+        # encode_batch, not encode: the Rust tokenizer lets go of the GIL only in the batch call,
+        # and a 3 MB text holds it for seconds (the event loop and the engine would wait).
+        encoding = self.fast.encode_batch([text[start:]], add_special_tokens=False)[0]
         new_ids = encoding.ids
         offset = len(ids)
         # A cut just after each cut token: the characters and tokens before it. Found with numpy and
