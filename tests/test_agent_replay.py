@@ -109,9 +109,9 @@ def test_agent_prompts_are_encoded_from_where_they_part(tiny):
     fast = encoder.fast
 
     class Counting:  # the characters the Rust tokenizer is asked to encode
-        def encode(self, text, **kw):
-            calls.append(len(text))
-            return fast.encode(text, **kw)
+        def encode_batch(self, texts, **kw):
+            calls.extend(len(t) for t in texts)
+            return fast.encode_batch(texts, **kw)
 
     encoder.fast = Counting()
     try:
