@@ -24,6 +24,7 @@ from mlxserve.engine.capabilities import capabilities  # noqa: E402
 from mlxserve.models.architectures import REFUSED, build_text_model, text_architectures  # noqa: E402
 from mlxserve.models.shapes import SHAPES  # noqa: E402
 from mlxserve.models.tiny import tiny_config  # noqa: E402
+from vlm_architectures import section as vlm_section  # noqa: E402 - docs/vlm_architectures.py
 
 def family_test_types() -> set:
     """The model types tests/test_families.py covers (its hand-written configs and shapes)."""
@@ -67,7 +68,8 @@ def page() -> str:
 
 Every text model type of mlx-lm {version("mlx-lm")} (its `mlx_lm/models/` modules), and how
 mlxserve serves it. Written by `python3 docs/architectures.py` on this machine; run it again
-after upgrading mlx-lm. Vision-language models (mlx-vlm) are in [images-video.md](images-video.md).
+after upgrading mlx-lm. Vision-language models (mlx-vlm) are [below](#vision-language-models-mlx-vlm-{version("mlx-vlm").replace(".", "")});
+how images are handled is in [images-video.md](images-video.md).
 
 Each served type is tested on a tiny random-weight config built from its `ModelArgs`
 (`mlxserve/models/tiny.py`; serve one with `mlxserve serve MODEL_TYPE --load-format dummy`):
@@ -101,7 +103,8 @@ The server refuses these at load with the reason below (a one-line error):
 ## All model types
 
 {table()}
-"""
+
+{vlm_section()}"""
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def _ids(prompt):
     return prompt[0] if isinstance(prompt, tuple) else prompt
 
 
-def check_served_alike(loaded, settings, folder, block_granular=False, tokens=4, prompts=None):
+def check_served_alike(loaded, settings, folder, block_granular=False, tokens=4, prompts=None, expected=None):
     """The generated architecture test's check, in three engine starts and nine requests:
     greedy tokens of three prompts (75, 79 and 60 tokens, sharing 70 and 40) are the same
     alone and in a batch of 3 with the cache off, in a batch of 2 cold, on a full hit, on a
@@ -114,7 +114,8 @@ def check_served_alike(loaded, settings, folder, block_granular=False, tokens=4,
     nothing, with the same tokens. Returns (the engine's `serving`, the cache's stats).
 
     `prompts`: other prompts (a, b, c, shared), b sharing a's first `shared` tokens and c
-    fewer; each token ids or (token ids, PromptImages) (tests/test_vlm_architectures.py)."""
+    fewer; each token ids or (token ids, PromptImages) (tests/test_vlm_architectures.py).
+    `expected`: the tokens a must give (another implementation's)."""
     bs = settings["block_size"]
     params = greedy(tokens)
     if prompts is None:
@@ -129,6 +130,7 @@ def check_served_alike(loaded, settings, folder, block_granular=False, tokens=4,
     finally:
         off.stop()
     assert [t for t, _ in three] == reference, f"a batch of 3: {three} != alone {reference}"
+    assert expected is None or reference[0] == expected, f"{reference[0]} != {expected} expected"
 
     disk = dict(disk_cache_dir=str(folder), **settings)
     on = AsyncEngine(loaded, EngineConfig(**disk)).start()

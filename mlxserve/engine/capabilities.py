@@ -29,10 +29,13 @@ def layer_kinds(model) -> dict[str, int]:
     return counts
 
 
-def capabilities(model, config: dict, *, cache_off: str | None, disk: bool) -> dict:
+def capabilities(model, config: dict, *, cache_off: str | None, disk: bool, images: bool = False) -> dict:
     """The model's serving facts. `cache_off`: why the prefix cache is off for it (None: on);
-    `disk`: a disk tier is configured."""
+    `disk`: a disk tier is configured; `images`: it is served with its vision tower."""
     limits = []
+    if "vision_config" in config and not images:
+        limits.append("text only: a vision-language model whose images mlxserve has no adapter for "
+                      "(docs/architectures.md); requests with images are refused")
     unbatchable = unbatchable_layers(model)
     if unbatchable:
         limits.append(f"one request at a time: mlx-lm cannot batch its {', '.join(unbatchable)} layers")
@@ -45,6 +48,7 @@ def capabilities(model, config: dict, *, cache_off: str | None, disk: bool) -> d
         limits.append("no disk tier configured (--disk-cache-dir): cached prefixes end with the process")
     return {
         "model_type": config.get("model_type"),
+        "images": images,
         "layer_kinds": layer_kinds(model),
         "batches": not unbatchable,
         "caches": cache_off is None,

@@ -408,8 +408,11 @@ class AsyncEngine:
             max_num_seqs = 1
         solo_path = cfg.solo_fast_path or bool(unbatchable)
         self.serving = capabilities(self.loaded.model, self.loaded.config, disk=bool(cfg.disk_cache_dir),
+                                    images=self.loaded.vision is not None,
                                     cache_off=self.prefix_cache.disabled if self.prefix_cache else
                                     "the server runs with --no-prefix-cache")
+        if "vision_config" in self.loaded.config and self.loaded.vision is None:
+            log.warning("%s", self.serving["limits"][0])  # text only: images refused
         if not unbatchable and prefill_batch_size(self.loaded.config, 2) == 1:
             log.info("prompts are prefilled one at a time (its recurrent layers would take a batch's padding "
                      "into their state); decoding batches")

@@ -20,6 +20,13 @@ def text_architectures() -> list[str]:
                   if m.name not in _HELPERS and not m.name.startswith("_"))
 
 
+def is_text_architecture(model_type: str) -> bool:
+    """Whether mlx-lm builds `model_type` (with its remapping: "mistral" is its Llama)."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    return MODEL_REMAPPING.get(model_type, model_type) in text_architectures()
+
+
 def _refused() -> dict[str, str]:
     import importlib.util
 
@@ -43,10 +50,16 @@ REFUSED: dict[str, str] = _refused()
 
 
 def check_served(config: dict, source: str) -> None:
-    """A one-line ModelLoadError if `config`'s model type is on REFUSED."""
+    """A one-line ModelLoadError if `config`'s model type is on REFUSED, or is mlx-vlm's and on
+    vlm_architectures.VLM_REFUSED."""
     family = config.get("model_type")
-    if family in REFUSED:
-        raise ModelLoadError(f"{source}: model type {family!r} cannot be served: {REFUSED[family]}")
+    why = REFUSED.get(family)
+    if why is None and isinstance(family, str) and not is_text_architecture(family):
+        from mlxserve.models.vlm_architectures import VLM_REFUSED, package_of
+
+        why = VLM_REFUSED.get(package_of(family))  # mlx-vlm's types served neither way (aliases too: "rf-detr")
+    if why is not None:
+        raise ModelLoadError(f"{source}: model type {family!r} cannot be served: {why}")
 
 
 def text_model_classes(config: dict, source: str):

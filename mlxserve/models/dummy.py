@@ -20,8 +20,8 @@ INIT_VERSION = 5
 
 
 def resolve_config(config_or_shape) -> dict:
-    """A named shape, a config dict, a path to config.json (or its folder), or an mlx-lm
-    model type (a tiny config of it, models/tiny.py)."""
+    """A named shape, a config dict, a path to config.json (or its folder), an mlx-lm model
+    type (a tiny config of it, models/tiny.py) or an mlx-vlm one (models/tiny_vlm.py)."""
     if isinstance(config_or_shape, dict):
         return copy.deepcopy(config_or_shape)
     if config_or_shape in SHAPES:
@@ -41,6 +41,14 @@ def resolve_config(config_or_shape) -> dict:
         from mlxserve.models.tiny import tiny_config
 
         return tiny_config(config_or_shape)
+    from mlxserve.models.architectures import check_served
+    from mlxserve.models.vlm_architectures import is_vlm
+
+    if is_vlm(config_or_shape):  # a bare mlx-vlm model type: its tiny config (models/tiny_vlm.py)
+        from mlxserve.models.tiny_vlm import tiny_vlm_config
+
+        return tiny_vlm_config(config_or_shape)
+    check_served({"model_type": config_or_shape}, config_or_shape)  # a type mlxserve refuses: say why
     raise KeyError(config_or_shape)
 
 
@@ -187,8 +195,9 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
     # from MLX's global generator: seed it, or the same fingerprint would name other weights
     # in each process (and a disk tier would serve KV of other weights after a restart).
     mx.random.seed(seed)
-    vlm = "vision_config" in config
-    if vlm:
+    from mlxserve.models.vlm import is_vlm_config
+
+    if is_vlm_config(config):  # served with images; other VLMs' configs build their text model (mlx-lm's)
         from mlxserve.models.vlm import build_vlm
 
         model = build_vlm(config)

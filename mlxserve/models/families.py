@@ -14,7 +14,7 @@ SERIAL_PREFILL = frozenset({"jamba", "olmo_hybrid", "nemotron_h", "mamba", "baic
 # The same for mlx-vlm's language models (vision-language folders): mlx-vlm 0.7.10's Qwen3.5
 # runs a padded batch row by row (qwen3_5/language.py, Qwen3_5Model.__call__) and each row
 # takes its right padding into its recurrent state (tests/test_vlm.py, the mixed batch).
-SERIAL_PREFILL_VLM = frozenset({"qwen3_5"})
+SERIAL_PREFILL_VLM = frozenset({"qwen3_5", "qwen3_5_moe", "indic_ocr"})  # (the last two: Qwen3.5's language model)
 
 
 def prefill_batch_size(config: dict, requested: int) -> int:

@@ -177,7 +177,7 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
     except KeyError:
         raise ModelLoadError(
             f"{source}: not a named shape ({', '.join(SHAPES)}), a config.json or a folder holding one, "
-            "nor an mlx-lm model type (a tiny config of it)"
+            "nor an mlx-lm or mlx-vlm model type (a tiny config of it)"
         ) from None
     dtype = dtype or default_dtype()
     preprocessor = config.get("preprocessor_config", {})

@@ -76,18 +76,14 @@ class TextModel:
         made = language_model.make_cache() if hasattr(language_model, "make_cache") else None
         if made is None:
             made = [None] * len(language_model.layers)
-        self._kinds = []
-        for c in made:
-            kind = type(c).__name__ if c is not None else "KVCache"
-            if kind not in ("KVCache", "RotatingKVCache", "ArraysCache"):
-                raise ValueError(f"{type(language_model).__module__}: cache class {kind} is not supported")
-            self._kinds.append((kind, c))
-        if any(kind == "ArraysCache" for kind, _ in self._kinds):
+        self._template = [_cache_kind(c, type(language_model).__module__) for c in made]
+        if any("ArraysCache" in _leaf_kinds(kind) for kind in self._template):
             add_recurrent_cache_methods()
         # Layer caches: fewer than layers when the last layers share earlier KV (Gemma 4).
-        self.n_layers = len(self._kinds)
+        self.n_layers = len(self._template)
         # Where the position offset is read: the first attention cache (a recurrent state has none).
-        self.offset_index = next((i for i, (kind, _) in enumerate(self._kinds) if kind != "ArraysCache"), 0)
+        self.offset_index = next((i for i, kind in enumerate(self._template)
+                                  if kind[0] in ("KVCache", "RotatingKVCache")), 0)
 
     @property
     def layers(self):
@@ -96,18 +92,9 @@ class TextModel:
     def make_cache(self) -> list:
         # mlx-lm's cache classes (not mlx-vlm's copies): BatchGenerator merges
         # them into batched caches, and the prefix cache knows how to store them.
-        from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
-
         from mlxserve.cache.layers import PositionState
 
-        caches = []
-        for kind, c in self._kinds:
-            if kind == "RotatingKVCache":
-                caches.append(RotatingKVCache(max_size=c.max_size, keep=getattr(c, "keep", 0)))
-            elif kind == "ArraysCache":
-                caches.append(ArraysCache(len(c.cache)))
-            else:
-                caches.append(KVCache())
+        caches = [_make_cache(kind) for kind in self._template]
         if self.mrope:
             caches.append(PositionState())
         return caches
@@ -141,6 +128,36 @@ class TextModel:
                 if cache[i] is not c:
                     cache[i] = c
         return logits
+
+
+def _cache_kind(c, where: str) -> tuple:
+    """What an mlx-vlm cache object is, to make mlx-lm's own of: (class name, its settings)."""
+    kind = type(c).__name__ if c is not None else "KVCache"
+    if kind == "RotatingKVCache":
+        return kind, c.max_size, getattr(c, "keep", 0)
+    if kind == "ArraysCache":
+        return kind, len(c.cache)
+    if kind == "CacheList":  # one layer's several caches (an attention and a recurrent mixer side by side)
+        return (kind, *(_cache_kind(part, where) for part in c.caches))
+    if kind != "KVCache":
+        raise ValueError(f"{where}: cache class {kind} is not supported")
+    return (kind,)
+
+
+def _leaf_kinds(kind: tuple) -> list[str]:
+    return [n for part in kind[1:] for n in _leaf_kinds(part)] if kind[0] == "CacheList" else [kind[0]]
+
+
+def _make_cache(kind: tuple):
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+    if kind[0] == "RotatingKVCache":
+        return RotatingKVCache(max_size=kind[1], keep=kind[2])
+    if kind[0] == "ArraysCache":
+        return ArraysCache(kind[1])
+    if kind[0] == "CacheList":
+        return CacheList(*(_make_cache(part) for part in kind[1:]))
+    return KVCache()
 
 
 def add_recurrent_cache_methods() -> None:

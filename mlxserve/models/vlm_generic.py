@@ -37,18 +37,45 @@ import numpy as np
 from mlxserve.models.vlm import ImageInput, VisionAdapter, video_groups
 
 
+# preprocessor_config.json of the tiny configs (models/tiny_vlm.py): images of at most 16 tokens.
+QWEN_TINY = {"size": {"shortest_edge": 1024, "longest_edge": 16384}, "patch_size": 16, "merge_size": 2,
+             "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+
+
 @dataclass(frozen=True)
 class Family:
-    processor: str  # "qwen": smart resize to a patch grid (Qwen3VLImageProcessor); "gemma4": aspect-preserving budget
-    wrap: tuple[str, str]  # config keys of the tokens before and after an image's run of image tokens
+    processor: str  # a _PROCESSORS key: "qwen" (Qwen3VLImageProcessor), "gemma4", or a transformers image processor
+    # The tokens before and after an image's run of image tokens: config keys of their ids, literal
+    # texts ("<|img|>"), or None.
+    wrap: tuple[str | None, str | None]
     video: str | None = None  # "qwen3": timestamped frame groups (_QwenVideo); None: images only
+    tiny_preprocessor: dict | None = None  # the tiny configs' preprocessor_config.json
+    image_token: tuple[str, ...] = ("image_token_id", "image_token_index")  # config keys of the image token's id
 
 
+QWEN3 = Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3", tiny_preprocessor=QWEN_TINY)
+GLM4V = Family("Glm4vImageProcessorPil", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY)
 FAMILIES = {
-    "qwen3_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3"),
-    "qwen3_5": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3"),
-    "gemma4": Family("gemma4", ("boi_token_id", "eoi_token_id")),
+    "qwen3_vl": QWEN3,
+    "qwen3_vl_moe": QWEN3,
+    "qwen3_5": QWEN3,
+    "qwen3_5_moe": QWEN3,
+    "glm4v": GLM4V,
+    "glm4v_moe": GLM4V,
+    "glm_ocr": Family("Glm4vImageProcessorPil", ("image_start_token_id", "image_end_token_id"),
+                      tiny_preprocessor=QWEN_TINY),
+    # dots.ocr: its template's image marks are plain text, not ids in its config.
+    "dots_ocr": Family("Qwen2VLImageProcessorPil", ("<|img|>", "<|endofimg|>"), tiny_preprocessor=QWEN_TINY),
+    "indic_ocr": QWEN3,  # Qwen3.5 with an Indic vocabulary
+    "gemma4": Family("gemma4", ("boi_token_id", "eoi_token_id"),
+                     tiny_preprocessor={"patch_size": 8, "max_soft_tokens": 16, "pooling_kernel_size": 2}),
 }
+
+
+def family_of(config: dict) -> Family | None:
+    """The generic path's Family of a config, or None if it has none."""
+    return FAMILIES.get(config.get("model_type"))
+
 
 # What get_input_embeddings may return beside the embeddings; a family giving more
 # (cross-attention states, encoder outputs) does not fit this path.
@@ -118,6 +145,46 @@ class _Gemma4Images:
     @staticmethod
     def image_kwargs(inp: ImageInput) -> dict:
         return {}
+
+
+class _PatchGrid:
+    """A transformers image processor (its numpy/PIL backend) that gives an image's patches and its
+    (t, h, w) patch grid, as Qwen2-VL's does: GLM-4V's, PaddleOCR-VL's. Its tokens: the grid over
+    merge x merge. Read from preprocessor_config.json as the model's own processor is."""
+
+    def __init__(self, class_name: str, config: dict, pc: dict):
+        import transformers
+
+        vc = config["vision_config"]
+        settings = {"patch_size": vc.get("patch_size"), "merge_size": vc.get("spatial_merge_size"),
+                    "temporal_patch_size": vc.get("temporal_patch_size")}
+        settings = {k: v for k, v in settings.items() if v is not None} | pc
+        settings.pop("video_preprocessor_config", None)
+        self.proc = getattr(transformers, class_name).from_dict(settings)
+        self.merge = self.proc.merge_size
+
+    def _run(self, image) -> dict:
+        return self.proc(images=[image.convert("RGB")], return_tensors="np")
+
+    def layout(self, image) -> ImageInput:
+        out = self._run(image)  # the processor's resize decides the grid: its pixels come with it
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        return ImageInput(np.asarray(out["pixel_values"]), grid, math.prod(grid) // self.merge**2)
+
+    def pixels(self, image) -> np.ndarray:
+        return np.asarray(self._run(image)["pixel_values"])
+
+    @staticmethod
+    def image_kwargs(inp: ImageInput) -> dict:
+        import mlx.core as mx
+
+        return {"image_grid_thw": mx.array([inp.grid_thw])}
+
+
+def _processor(name: str, config: dict, pc: dict):
+    if name in _PROCESSORS:
+        return _PROCESSORS[name](config, pc)
+    return _PatchGrid(name, config, pc)
 
 
 _PROCESSORS = {"qwen": _QwenImages, "gemma4": _Gemma4Images}
@@ -201,7 +268,9 @@ def _qwen3_5_row_caches() -> None:
     qwen3_5._extract_row_cache = extract_row_cache
 
 
-_PATCHES = {"qwen3_5": _qwen3_5_row_caches}  # fixes for mlx-vlm code that meets mlx-lm's batch caches
+# Fixes for mlx-vlm code that meets mlx-lm's batch caches, by the module of the language model
+# class (or of a class it derives from: Qwen3.5 MoE's, IndicOCR's).
+_PATCHES = {"mlx_vlm.models.qwen3_5.language": _qwen3_5_row_caches}
 
 
 def _gemma4_mask_after_cache() -> None:
@@ -257,6 +326,14 @@ def tower_blocks(tower) -> list:
     return []
 
 
+def vision_tower(model):
+    """The model's vision tower, under whichever name the family gives it."""
+    for name in ("vision_tower", "visual", "vision_model", "vision"):
+        if getattr(model, name, None) is not None:
+            return getattr(model, name)
+    return None
+
+
 def bidirectional_images(config: dict) -> bool:
     """Whether the model's image tokens attend to each other both ways (Gemma 4 26B-A4B / 31B)."""
     return (config.get("text_config") or config).get("use_bidirectional_attention") == "vision"
@@ -283,19 +360,16 @@ class GenericVLM(VisionAdapter):
         self.mrope = hasattr(lm, "get_rope_index")  # Qwen3-VL, Qwen3.5: M-RoPE positions from the image grids
         self.deepstack = bool(getattr(cfg.vision_config, "deepstack_visual_indexes", None))  # Qwen3-VL
         check_supported(config)
-        if self.family in _PATCHES:
-            _PATCHES[self.family]()
+        for module in {klass.__module__ for klass in type(lm).__mro__} & _PATCHES.keys():
+            _PATCHES[module]()
         self.whole_images = bidirectional_images(config)
         if self.whole_images:
             _BIDIRECTIONAL[self.family]()
         super().__init__(model, config, processor_config, tokenizer)
-        self.images = _PROCESSORS[spec.processor](config, processor_config)
-        self.image_token_id = config.get("image_token_id", config.get("image_token_index"))
-        start, end = (config.get(key) for key in spec.wrap)
-        if self.image_token_id is None or start is None or end is None:
-            raise ValueError(f"{self.family}: config.json lacks the image token ids "
-                             f"(image_token_id, {spec.wrap[0]}, {spec.wrap[1]})")
-        self._wrap = (self.token_text(start), self.token_text(self.image_token_id), self.token_text(end))
+        self.images = _processor(spec.processor, config, processor_config)
+        self.image_token_id = self._token_id(config, spec.image_token)
+        self._wrap = (self._wrap_text(config, spec.wrap[0]), self.token_text(self.image_token_id),
+                      self._wrap_text(config, spec.wrap[1]))
         self._deltas: OrderedDict[tuple, int] = OrderedDict()  # image grids -> M-RoPE delta
         self.videos = _VIDEOS[spec.video](config, processor_config) if spec.video else None
         if self.videos is not None:
@@ -304,8 +378,24 @@ class GenericVLM(VisionAdapter):
                 raise ValueError(f"{self.family}: config.json lacks video_token_id")
             self.video_processor = self.videos.processor  # VisionAdapter.pixels makes a video's pixels with it
 
+    def _token_id(self, config: dict, keys: tuple[str, ...]) -> int:
+        """The first of the config's `keys` it sets (config.json's, else mlx-vlm's default for the family)."""
+        for key in keys:
+            value = config.get(key, getattr(self.model.config, key, None))
+            if isinstance(value, int):
+                return value
+        raise ValueError(f"{self.family}: config.json lacks the image token id ({' or '.join(keys)})")
+
+    def _wrap_text(self, config: dict, key: str | None) -> str:
+        """A token around an image's run: none, a literal text, or the token a config key names."""
+        if key is None:
+            return ""
+        if key.startswith("<"):
+            return key
+        return self.token_text(self._token_id(config, (key,)))
+
     def tower_blocks(self) -> list:
-        return tower_blocks(self.model.vision_tower)
+        return tower_blocks(vision_tower(self.model))
 
     def _layout(self, image) -> ImageInput:
         return self.images.layout(image)

@@ -1,0 +1,117 @@
+"""Tiny configs of mlx-vlm's vision-language model types, built from their config classes: a
+few text and vision layers, small widths and the default tokenizer's vocabulary, for
+random-weight tests of every VLM architecture (`--load-format dummy` with a bare model type,
+e.g. `mlxserve serve glm4v --load-format dummy`).
+
+The text half is filled as models/tiny.py fills mlx-lm's ModelArgs (the same size rules, by
+field name); the vision half by VISION's rules, by field name too. Image token ids are the
+Qwen vocabulary's vision tokens, chosen by the field's name. What names cannot tell is in
+OVERRIDES, per type; each type's image settings (preprocessor_config.json) are its family's
+(models/vlm_generic.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+
+from mlxserve.models.shapes import QWEN_VOCAB, SHAPES
+from mlxserve.models.tiny import HIDDEN, _fill, _merge
+
+# The Qwen vocabulary's vision tokens stand in for every family's image tokens.
+IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
+EOS = 151645  # <|im_end|>
+
+VISION_WIDTH = 32
+# Vision field names -> tiny value. Images are small (a 64 px tower input, 16 px patches).
+VISION_SIZES = {
+    ("hidden_size", "embed_dim", "width", "vision_width", "d_model"): VISION_WIDTH,
+    ("num_hidden_layers", "depth", "num_layers", "n_layers", "encoder_layers"): 2,
+    ("num_attention_heads", "num_heads", "heads", "n_heads", "num_key_value_heads"): 2,
+    ("intermediate_size", "mlp_dim", "ffn_dim", "intermediate_dim"): 64,
+    ("head_dim",): 16,
+    ("image_size",): 64,
+    ("patch_size", "spatial_patch_size"): 16,
+    ("spatial_merge_size", "temporal_patch_size"): 2,
+    ("num_position_embeddings",): 64,
+    ("out_hidden_size", "projection_dim", "text_hidden_size"): HIDDEN,
+}
+VISION_VALUES = {name: value for names, value in VISION_SIZES.items() for name in names}
+
+
+def token_id(name: str) -> int | None:
+    """The stand-in id of an image-token field, by its name; None for other fields."""
+    if "video" in name and "token" in name:
+        return VIDEO_PAD
+    if not any(k in name for k in ("image", "vision", "media", "boi", "eoi", "im_")):
+        return None
+    if any(k in name for k in ("start", "begin", "boi")):
+        return VISION_START
+    if any(k in name for k in ("end", "eoi")):
+        return VISION_END
+    if name in ("image_token_id", "image_token_index", "media_placeholder_token_id", "im_patch_token"):
+        return IMAGE_PAD
+    return None
+
+
+def vlm_module(model_type: str):
+    """mlx-vlm's package for a model type (with mlx-vlm's remapping)."""
+    from mlx_vlm.utils import MODEL_REMAPPING
+
+    return importlib.import_module(f"mlx_vlm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+
+
+def _default(args_class, name: str):
+    f = args_class.__dataclass_fields__.get(name)
+    return None if f is None or f.default is dataclasses.MISSING else f.default
+
+
+def _fill_vision(args_class) -> dict:
+    out = {}
+    for f in dataclasses.fields(args_class):
+        if f.name in VISION_VALUES:
+            out[f.name] = VISION_VALUES[f.name]
+    return out
+
+
+def tiny_vlm_config(model_type: str) -> dict:
+    """A small random-weight-ready config of mlx-vlm's `model_type` with its image settings
+    (`preprocessor_config`); a one-line ModelLoadError for a type mlxserve refuses."""
+    from mlxserve.models.architectures import check_served
+    from mlxserve.models.vlm_generic import family_of
+
+    check_served({"model_type": model_type, "vision_config": {}}, model_type)
+    if model_type in SHAPED:
+        return copy.deepcopy(SHAPES[SHAPED[model_type]])
+    module = vlm_module(model_type)
+    text_type = _default(module.TextConfig, "model_type") or model_type
+    text = _fill(module.TextConfig, text_type)
+    text["tie_word_embeddings"] = False
+    vision = _fill_vision(module.VisionConfig)
+    # The class's own vision model type, else the model type (what most towers accept).
+    vision["model_type"] = _default(module.VisionConfig, "model_type") or model_type
+    config = {"model_type": model_type, "tie_word_embeddings": False, "vocab_size": QWEN_VOCAB,
+              "hidden_size": HIDDEN, "eos_token_id": [EOS], "text_config": text, "vision_config": vision}
+    for f in dataclasses.fields(module.ModelConfig):
+        value = token_id(f.name)
+        if value is not None:
+            config[f.name] = value
+    _merge(config, OVERRIDES.get(model_type, {}))
+    family = family_of(config)
+    config["preprocessor_config"] = copy.deepcopy(family.tiny_preprocessor if family else
+                                                  ADAPTER_PREPROCESSORS.get(model_type, {}))
+    return config
+
+
+# Types of the hand-written adapters (models/vlm.py) with a tiny named shape already.
+SHAPED = {"qwen2_5_vl": "qwen2.5-vl-tiny", "gemma3": "gemma3-vl-tiny", "llava": "llava-tiny"}
+# The others' image settings: 14 px patches, at most 16 tokens.
+ADAPTER_PREPROCESSORS = {"qwen2_vl": SHAPES["qwen2.5-vl-tiny"]["preprocessor_config"]}
+
+# What the field names cannot tell, per model type.
+OVERRIDES: dict[str, dict] = {
+    "dots_ocr": {"vision_config": {"hidden_size": HIDDEN}},  # its tower's output width (embed_dim is its own)
+    "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
+                 "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
+}
