@@ -26,12 +26,12 @@ def encodes(monkeypatch):
     hold.set()
     original = chat.PrefixEncoder.encode
 
-    def encode(self, text):
+    def encode(self, text, *args):
         if len(text) > BIG:
             seen.append((threading.current_thread().name, len(text)))
             entered.set()
             hold.wait(60)
-        return original(self, text)
+        return original(self, text, *args)
 
     monkeypatch.setattr(chat.PrefixEncoder, "encode", encode)
     return seen, entered, hold

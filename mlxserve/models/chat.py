@@ -21,8 +21,6 @@ import threading
 import weakref
 from collections import OrderedDict
 
-import numpy as np
-
 from mlxserve.models.token_bound import fewest_tokens
 
 RECENT = 16  # texts remembered per tokenizer (one per agent session, roughly)
@@ -30,13 +28,14 @@ MIN_REUSE = 4096  # characters: shorter shared prefixes are encoded again
 
 
 class PromptTooLong(ValueError):
-    """A text whose length alone proves it has more tokens than the limit: found before
-    tokenizing it (seconds for a few MB)."""
+    """A prompt with more tokens than the limit, found before its ids are built: from its
+    length alone (before tokenizing: seconds for a few MB), or from its encoding's length."""
 
-    def __init__(self, at_least: int, limit: int):
+    def __init__(self, count: int, limit: int, exact: bool = False):
+        has = f"{count} tokens" if exact else f"at least {count} tokens (from its length)"
         super().__init__(f"This model's maximum context length is {limit} tokens, and the prompt has "
-                         f"at least {at_least} tokens (from its length): no room for output.")
-        self.at_least = at_least
+                         f"{has}: no room for output.")
+        self.count = count
         self.limit = limit
 
 
@@ -58,7 +57,7 @@ def render_chat(tokenizer, messages: list[dict], *, tools=None, chat_template_kw
         messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
     )
     check_length(encoder.hf, text, token_limit)
-    return encoder.encode(text)
+    return encoder.encode(text, token_limit)
 
 
 def encode_text(tokenizer, text: str, token_limit: int | None = None) -> list[int]:
@@ -74,7 +73,7 @@ def check_length(hf, text: str, token_limit: int | None) -> None:
     if token_limit is None or len(text) < token_limit:  # too short to prove anything: skip the count
         return
     at_least = fewest_tokens(hf, text)
-    if at_least is not None and at_least >= token_limit:
+    if at_least is not None and at_least > token_limit:
         raise PromptTooLong(at_least, token_limit)
 
 
@@ -112,7 +111,8 @@ class PrefixEncoder:
         # tokenizers.Tokenizer (Rust); None: a slow (Python) tokenizer, encoded whole
         self.fast = getattr(hf, "backend_tokenizer", None) if getattr(hf, "is_fast", False) else None
         self.cut_ids = self._cut_ids()
-        self.cut_array = np.fromiter(self.cut_ids, dtype=np.int64)
+        decoder = getattr(self.hf, "added_tokens_decoder", None) or {}
+        self.cut_texts = {decoder[i].content: i for i in self.cut_ids}
         self.recent: OrderedDict[str, tuple[list[int], list[int], list[int]]] = OrderedDict()
         self.lock = threading.Lock()
         if check and self.fast is not None and self.cut_ids and not self._agrees():
@@ -141,7 +141,8 @@ class PrefixEncoder:
                          and not getattr(t, "rstrip", True) and not getattr(t, "normalized", True)
                          and not getattr(t, "single_word", True))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, token_limit: int | None = None) -> list[int]:
+        """The ids; PromptTooLong, before they are built, if there are more than `token_limit`."""
         if self.fast is None or not self.cut_ids:
             return list(self.hf.encode(text, add_special_tokens=False))
         with self.lock:
@@ -157,13 +158,15 @@ class PrefixEncoder:
         # encode_batch, not encode: the Rust tokenizer lets go of the GIL only in the batch call,
         # and a 3 MB text holds it for seconds (the event loop and the engine would wait).
         encoding = self.fast.encode_batch([text[start:]], add_special_tokens=False)[0]
-        new_ids = encoding.ids
         offset = len(ids)
-        # A cut just after each cut token: the characters and tokens before it. Found with numpy and
-        # read one by one: the whole `offsets` list of a 3 MB text is 1.5 s of Python objects, with
-        # the GIL held (the event loop's streams would wait).
-        for k in np.flatnonzero(np.isin(np.asarray(new_ids, dtype=np.int64), self.cut_array)).tolist():
-            chars.append(start + encoding.token_to_chars(k)[1])
+        if token_limit is not None and offset + len(encoding) > token_limit:
+            raise PromptTooLong(offset + len(encoding), token_limit, exact=True)
+        new_ids = encoding.ids
+        # A cut just after each cut token: the characters and tokens before it, found by searching
+        # the text and asking the encoding for those few tokens. (Every token's offsets as Python
+        # objects would hold the GIL for 1.5 s for a 3 MB text, numpy over the ids for 100 ms.)
+        for pos, k in self._cuts(text, start, encoding, new_ids):
+            chars.append(pos)
             tokens.append(offset + k + 1)
         ids = ids + new_ids
         with self.lock:
@@ -172,6 +175,18 @@ class PrefixEncoder:
             while len(self.recent) > RECENT:
                 self.recent.popitem(last=False)
         return list(ids)
+
+    def _cuts(self, text: str, start: int, encoding, new_ids) -> list[tuple[int, int]]:
+        """(character just after, token index) of each cut token in `text[start:]`, in order."""
+        found = []
+        for content, token_id in self.cut_texts.items():
+            pos = text.find(content, start)
+            while pos >= 0:
+                k = encoding.char_to_token(pos - start)
+                if k is not None and new_ids[k] == token_id:
+                    found.append((pos + len(content), k))
+                pos = text.find(content, pos + len(content))
+        return sorted(found)
 
     def _longest_shared(self, text: str):
         """(characters shared, entry) of the recent text sharing the longest prefix with `text`."""
