@@ -26,7 +26,7 @@ CONFIGS = json.loads((Path(__file__).parent / "families.json").read_text())
 SHAPES = ["qwen3.5-tiny", "gemma4-tiny", "gpt-oss-tiny", "lfm2-tiny"]
 # Small blocks and chunks, so 70-token prompts cross several of each; a recurrent
 # state at every block end, so hits on hybrids reach the last block end.
-SETTINGS = dict(block_size=16, prefill_chunk_size=32, checkpoint_interval=1)
+SETTINGS = dict(block_size=16, prefill_chunk_size=32, checkpoint_interval=1, warmup=0)  # warm-up: tests/test_warmup.py
 
 
 @functools.lru_cache(maxsize=None)
