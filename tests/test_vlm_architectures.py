@@ -112,7 +112,7 @@ def test_refused_vlm_type_is_refused_at_load_with_its_reason(model_type, tmp_pat
 
 
 def test_vlm_type_mlx_lm_has_is_served_as_text_with_images_refused(caplog, tmp_path):
-    """A VLM folder of a type without an image adapter that mlx-lm has (here Mistral 3): its
+    """A VLM folder of a type without an image adapter that mlx-lm has (here Gemma 3n): its
     language model is served; /v1/models and the start say it is text only, and a request
     with an image is a 400 in the API's shape."""
     import httpx
@@ -121,8 +121,8 @@ def test_vlm_type_mlx_lm_has_is_served_as_text_with_images_refused(caplog, tmp_p
     from mlxserve.models.tiny import tiny_config
     from test_vlm import data_url
 
-    config = tiny_config("mistral3") | {"vision_config": {"model_type": "pixtral", "hidden_size": 32}}
-    assert state("mistral3") == ("text", "mistral3")
+    config = tiny_config("gemma3n") | {"vision_config": {"model_type": "gemma3n_vision", "hidden_size": 32}}
+    assert state("gemma3n") == ("text", "gemma3n")
     live = LiveServer(load_config(config, tmp_path))
     try:
         serving = httpx.get(f"{live.base_url}/models").json()["data"][0]["serving"]

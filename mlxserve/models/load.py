@@ -271,11 +271,16 @@ def materialize(model) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    import mlx.nn as nn
+
     arrays = []
     for _, module in model.named_modules():
         # Private entries (`_freqs`) sit in the module's dict, which `parameters()` skips.
         for value in [*module.values(), *vars(module).values()]:
             arrays += [a for _, a in tree_flatten(value) if isinstance(a, mx.array)]
+            if not isinstance(value, (nn.Module, mx.array)) and hasattr(value, "__dict__"):
+                # A helper object's arrays (mlx-vlm's PixtralRotaryEmbedding is no Module).
+                arrays += [a for a in vars(value).values() if isinstance(a, mx.array)]
     mx.eval(arrays)
 
 

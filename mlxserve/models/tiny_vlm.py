@@ -112,6 +112,14 @@ ADAPTER_PREPROCESSORS = {"qwen2_vl": SHAPES["qwen2.5-vl-tiny"]["preprocessor_con
 # What the field names cannot tell, per model type.
 OVERRIDES: dict[str, dict] = {
     "dots_ocr": {"vision_config": {"hidden_size": HIDDEN}},  # its tower's output width (embed_dim is its own)
+    # Pixtral's [IMG_BREAK] and [IMG_END] (its processor's texts, not config ids in real configs); the
+    # tower's rotary table covers image_size / patch_size patches a side, as far as the processor's
+    # longest edge (its family's tiny_preprocessor) reaches (beyond it, positions would read past the table).
+    "pixtral": {"image_break_token_id": VISION_START, "image_end_token_id": VISION_END},
+    "mistral3": {"image_break_token_id": VISION_START, "image_end_token_id": VISION_END, "spatial_merge_size": 2,
+                 "vision_config": {"image_size": 128}},
+    "mistral_large3": {"image_break_token_id": VISION_START, "image_end_token_id": VISION_END,
+                       "spatial_merge_size": 2, "vision_config": {"image_size": 128}},
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
 }

@@ -248,6 +248,11 @@ class VisionAdapter:
 
     video_token_id: int | None = None  # set by families that take video
 
+    def image_span_ids(self) -> set[int]:
+        """The token ids an image's placeholder is made of (more than its image token where rows
+        of an image end in a break token)."""
+        return {self.image_token_id}
+
     def preprocess_video(self, frames: list, video: int) -> list[ImageInput]:
         """The video's frame groups, token counts known, pixel arrays made on first `pixels()`."""
         raise ValueError("this model takes images, not video")
@@ -573,12 +578,13 @@ def load_vlm_weights(folder):
 
 
 def processor_config(folder) -> dict:
-    """preprocessor_config.json, and video_preprocessor_config.json (where Qwen3-VL keeps its
-    video settings) under that name."""
-    path, video = Path(folder) / "preprocessor_config.json", Path(folder) / "video_preprocessor_config.json"
+    """preprocessor_config.json, with video_preprocessor_config.json (where Qwen3-VL keeps its
+    video settings) and processor_config.json (Pixtral's image tokens) under those names."""
+    path = Path(folder) / "preprocessor_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
-    if video.is_file():
-        config["video_preprocessor_config"] = json.loads(video.read_text())
+    for name in ("video_preprocessor_config", "processor_config"):
+        if (Path(folder) / f"{name}.json").is_file():
+            config[name] = json.loads((Path(folder) / f"{name}.json").read_text())
     return config
 
 

@@ -166,8 +166,6 @@ VLM_REFUSED: dict[str, str] = {
     "minicpmo": AUDIO,
     "minicpmv4_6": TILES,
     "minicpmv4_7": TILES,
-    "mistral_large3": NOT_YET.format(what="its images are Pixtral's rows of patches with a break token after "
-                                          "each row, not one run of image tokens"),
     "mllama": ("cross-attention to the image (Llama 3.2 Vision): image states sit beside the prompt, not in it "
                "as token embeddings, so cached blocks cannot hold them"),
     "molmo": TILES,

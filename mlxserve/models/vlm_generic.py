@@ -67,6 +67,10 @@ FAMILIES = {
     # dots.ocr: its template's image marks are plain text, not ids in its config.
     "dots_ocr": Family("Qwen2VLImageProcessorPil", ("<|img|>", "<|endofimg|>"), tiny_preprocessor=QWEN_TINY),
     "indic_ocr": QWEN3,  # Qwen3.5 with an Indic vocabulary
+    # Rows of image tokens and breaks: no tokens around them.
+    "pixtral": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 64}}),
+    "mistral3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),
+    "mistral_large3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),
     "gemma4": Family("gemma4", ("boi_token_id", "eoi_token_id"),
                      tiny_preprocessor={"patch_size": 8, "max_soft_tokens": 16, "pooling_kernel_size": 2}),
 }
@@ -101,6 +105,12 @@ def qwen_image_processor(config: dict, pc: dict):
     )
 
 
+def image_settings(pc: dict) -> dict:
+    """preprocessor_config.json's own settings, without the other files' read beside it
+    (models/vlm.py processor_config)."""
+    return {k: v for k, v in pc.items() if k not in ("video_preprocessor_config", "processor_config")}
+
+
 class _QwenImages:
     """Qwen3-VL / Qwen3.5: the image smart-resized to multiples of patch x merge, one (1, h, w) grid."""
 
@@ -128,7 +138,7 @@ class _Gemma4Images:
     def __init__(self, config: dict, pc: dict):
         from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor
 
-        self.proc = Gemma4ImageProcessor(**pc)
+        self.proc = Gemma4ImageProcessor(**image_settings(pc))
 
     def layout(self, image) -> ImageInput:
         from mlx_vlm.models.gemma4.processing_gemma4 import get_aspect_ratio_preserving_size
@@ -158,8 +168,7 @@ class _PatchGrid:
         vc = config["vision_config"]
         settings = {"patch_size": vc.get("patch_size"), "merge_size": vc.get("spatial_merge_size"),
                     "temporal_patch_size": vc.get("temporal_patch_size")}
-        settings = {k: v for k, v in settings.items() if v is not None} | pc
-        settings.pop("video_preprocessor_config", None)
+        settings = {k: v for k, v in settings.items() if v is not None} | image_settings(pc)
         self.proc = getattr(transformers, class_name).from_dict(settings)
         self.merge = self.proc.merge_size
 
@@ -181,13 +190,53 @@ class _PatchGrid:
         return {"image_grid_thw": mx.array([inp.grid_thw])}
 
 
+class _PixtralImages:
+    """Pixtral / Mistral 3: the image resized to fit a longest edge, sides multiples of patch x
+    merge (mlx-vlm's PixtralImageProcessor), laid out as rows of image tokens, each ended by a
+    break token and the last by an end token ([IMG]...[IMG_BREAK]...[IMG_END]), as mlx-vlm's
+    PixtralProcessor renders it. Its tokens: rows x (columns + 1)."""
+
+    def __init__(self, config: dict, pc: dict):
+        from mlx_vlm.models.pixtral.image_processing_pixtral import PixtralImageProcessor
+
+        settings = image_settings(pc)
+        self.proc = PixtralImageProcessor(**{k: v for k, v in settings.items()
+                                             if k in ("size", "image_mean", "image_std", "do_resize", "do_rescale",
+                                                      "rescale_factor", "do_normalize", "resample")})
+        # As mlx-vlm's Mistral3Processor reads them: the tower's patch, the model's merge.
+        names = pc.get("processor_config", {})
+        merge = config.get("spatial_merge_size", names.get("spatial_merge_size", 1))
+        self.step = config["vision_config"].get("patch_size", 16) * merge
+        self.break_text = names.get("image_break_token", "[IMG_BREAK]")
+        self.end_text = names.get("image_end_token", "[IMG_END]")
+
+    def layout(self, image) -> ImageInput:
+        out = self.proc(images=[image.convert("RGB")], patch_size=self.step)
+        h, w = (int(x) for x in out["image_sizes"][0])
+        rows, cols = h // self.step, w // self.step
+        return ImageInput(np.asarray(out["pixel_values"]), (1, rows, cols), rows * (cols + 1))
+
+    def pixels(self, image) -> np.ndarray:
+        return np.asarray(self.proc(images=[image.convert("RGB")], patch_size=self.step)["pixel_values"])
+
+    def image_kwargs(self, inp: ImageInput) -> dict:
+        import mlx.core as mx
+
+        _, rows, cols = inp.grid_thw
+        return {"image_sizes": mx.array([[rows * self.step, cols * self.step]])}
+
+    def token_ids(self, inp: ImageInput, image: int, brk: int, end: int) -> list[int]:
+        _, rows, cols = inp.grid_thw
+        return [t for r in range(rows) for t in [image] * cols + [brk if r < rows - 1 else end]]
+
+
 def _processor(name: str, config: dict, pc: dict):
     if name in _PROCESSORS:
         return _PROCESSORS[name](config, pc)
     return _PatchGrid(name, config, pc)
 
 
-_PROCESSORS = {"qwen": _QwenImages, "gemma4": _Gemma4Images}
+_PROCESSORS = {"qwen": _QwenImages, "gemma4": _Gemma4Images, "pixtral": _PixtralImages}
 
 
 class _QwenVideo:
@@ -403,9 +452,25 @@ class GenericVLM(VisionAdapter):
     def _pixels(self, image) -> np.ndarray:
         return self.images.pixels(image)
 
+    def _breaks(self) -> tuple[int, int]:
+        """Pixtral's row-break and end token ids (its processor's texts, or the config's ids)."""
+        return tuple(self._token_id(self.config, (key,)) if key in self.config else
+                     self.tokenizer.convert_tokens_to_ids(text)
+                     for key, text in (("image_break_token_id", self.images.break_text),
+                                       ("image_end_token_id", self.images.end_text)))
+
+    def image_span_ids(self) -> set[int]:
+        return {self.image_token_id, *self._breaks()} if hasattr(self.images, "token_ids") else {self.image_token_id}
+
+    def _image_ids(self, image: ImageInput) -> list[int]:
+        """The ids of an image's placeholder inside its wrap: its image tokens (and row breaks)."""
+        if hasattr(self.images, "token_ids"):
+            return self.images.token_ids(image, self.image_token_id, *self._breaks())
+        return [self.image_token_id] * image.num_tokens
+
     def placeholder(self, image: ImageInput) -> str:
-        start, pad, end = self._wrap
-        return start + pad * image.num_tokens + end
+        start, _, end = self._wrap
+        return start + "".join(self.tokenizer.convert_ids_to_tokens(self._image_ids(image))) + end
 
     def preprocess_video(self, frames: list, video: int) -> list[ImageInput]:
         if self.videos is None:
@@ -423,7 +488,7 @@ class GenericVLM(VisionAdapter):
 
         pixels = mx.array(self.pixels(image))
         if image.video is None:
-            ids = mx.array([[self.image_token_id] * image.num_tokens])
+            ids = mx.array([self._image_ids(image)])
             kwargs = {"pixel_values": pixels, **self.images.image_kwargs(image)}
         else:
             ids = mx.array([[self.video_token_id] * image.num_tokens])

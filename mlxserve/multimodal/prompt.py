@@ -78,16 +78,19 @@ def prepare_images(vision, sources: list[tuple], limits: MediaLimits,
 def image_spans(prompt_ids: list[int], vision, images: list[PreparedImage]) -> list[PromptImage]:
     """The PromptImage of each image (or video frame group): where its tokens start in the prompt.
 
-    Each image is a run of image tokens; a video is one run of video tokens,
-    cut into its frame groups in order.
+    Each image is a run of image tokens (with the row breaks between them, for a family
+    whose images have some: Pixtral's); a video is one run of video tokens, cut into its
+    frame groups in order.
     """
-    media_ids = {vision.image_token_id, vision.video_token_id} - {None}
+    # Token id -> which run it belongs to: an image's (its image tokens and breaks) or a video's.
+    kind = {t: "image" for t in vision.image_span_ids()} | {vision.video_token_id: "video"}
+    kind.pop(None, None)
     runs = []
     i, n = 0, len(prompt_ids)
     while i < n:
-        if prompt_ids[i] in media_ids:
+        if prompt_ids[i] in kind:
             j = i
-            while j < n and prompt_ids[j] == prompt_ids[i]:
+            while j < n and kind.get(prompt_ids[j]) == kind[prompt_ids[i]]:
                 j += 1
             runs.append((i, j - i))
             i = j
