@@ -207,8 +207,10 @@ class ModelPool:
         ttls = [e.spec.ttl for e in self.entries.values() if e.spec.ttl is not None]
         if ttls:
             self._reaper = asyncio.create_task(self._reap(min(5.0, max(0.05, min(ttls) / 4))))
+        freeze_heap()
 
     async def stop(self) -> None:
+        gc.unfreeze()  # what the server held becomes collectable again (tests start many)
         if self._reaper is not None:
             self._reaper.cancel()
         engines = [e.engine for e in self.entries.values() if e.engine is not None]
@@ -315,6 +317,7 @@ class ModelPool:
                 raise
             raise ModelUnavailable(f"the model {entry.name!r} could not be loaded: {entry.error}") from None
         self._loaded(entry, loaded, engine, served)
+        freeze_heap()
         log.info("loaded %s (%d bytes counted)", entry.name, entry.nbytes)
         self._notify()
         await self._fit(entry)
@@ -508,8 +511,19 @@ def _stop(engine: AsyncEngine) -> None:
     import mlx.core as mx
 
     engine.stop(release_model=True)
-    gc.collect()
+    gc.unfreeze()  # the model's objects were frozen with the rest: its cycles must be found
+    freeze_heap()
     mx.clear_cache()  # give the freed buffers back, for the next model
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive out of the garbage collector's reach: the models',
+    the libraries' and the server's own (120k objects with a tiny model). A collection of the
+    oldest generation then scans only what requests allocated since; scanning them all took
+    80-105 ms on a 2-core CPU with every thread stopped, streams' tokens included. (Unloading a
+    model unfreezes first, so nothing it held stays uncollectable.)"""
+    gc.collect()
+    gc.freeze()
 
 
 def footprint(loaded, engine_cfg: EngineConfig) -> int:
