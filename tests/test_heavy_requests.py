@@ -1,6 +1,7 @@
 """A heavy request never stalls the others: prompts are rendered and tokenized off the event
 loop, and a prompt whose length alone proves it cannot fit is refused before tokenizing."""
 
+import json
 import threading
 
 import httpx
@@ -77,3 +78,22 @@ def test_streams_go_on_while_a_big_prompt_is_tokenized(server, http, encodes):
     # Tokenized on the prompt worker, then found too long for the tiny model's context.
     assert seen and seen[0][0].startswith("mlxserve-prompts")
     assert answer["r"].status_code == 400 and answer["r"].json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_bench_stall_measures_the_gaps_around_a_big_prompt(server, tmp_path):
+    """`mlxserve bench stall` against a live server: the streams' gaps before and while a big
+    prompt is served, and that prompt's answer."""
+    import argparse
+
+    from mlxserve.bench import stall
+
+    parser = argparse.ArgumentParser()
+    stall.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["stall", "--url", server.base_url, "--streams", "2", "--max-tokens", "48",
+                              "--big-mb", "0.6", "--lead", "0.5", "--out-dir", str(tmp_path)])
+    args.func(args)  # exit status: the verdict, which a shared 2-core machine may fail
+    (md,) = tmp_path.glob("stall-*.md")
+    (js,) = tmp_path.glob("stall-*.json")
+    result = json.loads(js.read_text())["results"]
+    assert result["big_status"] == 400 and result["big_code"] == "context_length_exceeded"
+    assert result["gaps_before"] > 0 and result["median_gap_ms"] > 0 and "largest gap" in md.read_text()
