@@ -398,6 +398,10 @@ class Runner:
         solo, self.solo = self.solo, None
         event, prompt, in_cache = solo.handover()
         if event is not None and event.finish_reason:
+            # Its last token came at the handover: store its blocks as step() does for a finished
+            # solo sequence (its prompt's tail was lost: a repeat hit a block end, not len - 1).
+            solo.store_blocks(finished=True)
+            self._release_embeddings(solo.seq)
             return [event]
         self._insert(solo.seq, prompt, solo.cache, in_cache)
         return [event] if event else []
