@@ -599,4 +599,17 @@ def build_vlm(config: dict):
     text = dict(config.get("text_config") or config)
     text.setdefault("model_type", config["model_type"])
     model_config.text_config = arch.TextConfig.from_dict(text)
-    return arch.Model(model_config)
+    model = arch.Model(model_config)
+    if config["model_type"] == "paddleocr_vl":
+        _paddle_projector_width(model, model_config)
+    return model
+
+
+def _paddle_projector_width(model, model_config) -> None:
+    """mlx-vlm 0.7.10 builds PaddleOCR-VL's projector 1024 wide (its checkpoints' text width),
+    whatever the config says; a random-weight config of another width gets one as wide as
+    its text model (real checkpoints load through mlx-vlm's own loader, unchanged)."""
+    from mlx_vlm.models.paddleocr_vl.vision import PaddleOCRProjector
+
+    vc, width = model_config.vision_config, model_config.text_config.hidden_size
+    model.visual.projector = PaddleOCRProjector(vc.hidden_size, width, vc.spatial_merge_size)

@@ -176,7 +176,6 @@ VLM_REFUSED: dict[str, str] = {
     "multi_modality": NOT_YET.format(what="no adapter for Janus's processor"),
     "nemotron_h_nano_omni": AUDIO,
     "nemotron_parse": ENCODER_DECODER,
-    "paddleocr_vl": NOT_YET.format(what="no adapter for its processor's patch layout"),
     "paligemma": ("its prefix attends both ways over the whole prompt (image and text): a prompt cut into chunks "
                   "or continued from cached blocks would change its tokens"),
     "phi3_v": TILES,

@@ -28,9 +28,12 @@ family that fits this interface is one FAMILIES entry.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -55,6 +58,10 @@ class Family:
 
 QWEN3 = Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3", tiny_preprocessor=QWEN_TINY)
 GLM4V = Family("Glm4vImageProcessorPil", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY)
+# Kimi's chat templates: "image" between its media marks, as text (Kimi-VL's start, K2.5's begin).
+KIMI_TINY = {"in_token_limit": 64, "merge_kernel_size": [2, 2], "image_mean": [0.5, 0.5, 0.5],
+             "image_std": [0.5, 0.5, 0.5]}
+KIMI_IMAGE = ("media_placeholder_token_id", "image_token_index", "image_token_id")
 FAMILIES = {
     "qwen3_vl": QWEN3,
     "qwen3_vl_moe": QWEN3,
@@ -67,6 +74,14 @@ FAMILIES = {
     # dots.ocr: its template's image marks are plain text, not ids in its config.
     "dots_ocr": Family("Qwen2VLImageProcessorPil", ("<|img|>", "<|endofimg|>"), tiny_preprocessor=QWEN_TINY),
     "indic_ocr": QWEN3,  # Qwen3.5 with an Indic vocabulary
+    "paddleocr_vl": Family("mlx_vlm.models.paddleocr_vl.processing_paddleocr_vl:ImageProcessor",
+                           ("vision_start_token_id", "vision_end_token_id"),
+                           tiny_preprocessor={"min_pixels": 1024, "max_pixels": 16384, "patch_size": 16,
+                                              "merge_size": 2, "temporal_patch_size": 1}),
+    "kimi_vl": Family("kimi_vl", ("<|media_start|>image<|media_content|>", "<|media_end|>"),
+                      tiny_preprocessor=KIMI_TINY, image_token=KIMI_IMAGE),
+    "kimi_k25": Family("kimi_k25", ("<|media_begin|>image<|media_content|>", "<|media_end|>"),
+                       tiny_preprocessor=KIMI_TINY, image_token=KIMI_IMAGE),
     # Rows of image tokens and breaks: no tokens around them.
     "pixtral": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 64}}),
     "mistral3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),
@@ -158,9 +173,10 @@ class _Gemma4Images:
 
 
 class _PatchGrid:
-    """A transformers image processor (its numpy/PIL backend) that gives an image's patches and its
-    (t, h, w) patch grid, as Qwen2-VL's does: GLM-4V's, PaddleOCR-VL's. Its tokens: the grid over
-    merge x merge. Read from preprocessor_config.json as the model's own processor is."""
+    """An image processor that gives an image's patches and its (t, h, w) patch grid, as Qwen2-VL's
+    does: transformers' (its numpy/PIL backend: GLM-4V's) or mlx-vlm's own (PaddleOCR-VL's). Its
+    tokens: the grid over merge x merge. Read from preprocessor_config.json as the model's own
+    processor is."""
 
     def __init__(self, class_name: str, config: dict, pc: dict):
         import transformers
@@ -169,7 +185,11 @@ class _PatchGrid:
         settings = {"patch_size": vc.get("patch_size"), "merge_size": vc.get("spatial_merge_size"),
                     "temporal_patch_size": vc.get("temporal_patch_size")}
         settings = {k: v for k, v in settings.items() if v is not None} | image_settings(pc)
-        self.proc = getattr(transformers, class_name).from_dict(settings)
+        if ":" in class_name:  # a processor of mlx-vlm's own ("module:Class")
+            module, name = class_name.split(":")
+            self.proc = getattr(importlib.import_module(module), name)(**settings)
+        else:
+            self.proc = getattr(transformers, class_name).from_dict(settings)
         self.merge = self.proc.merge_size
 
     def _run(self, image) -> dict:
@@ -230,13 +250,59 @@ class _PixtralImages:
         return [t for r in range(rows) for t in [image] * cols + [brk if r < rows - 1 else end]]
 
 
+class _KimiImages:
+    """Kimi-VL, Kimi K2.5 (MoonViT): the image scaled under a patch budget and cropped or padded to
+    multiples of patch x merge kernel (the `rescale` of mlx-vlm's processor for the family, PIL),
+    then normalized and cut into (C, patch, patch) patches in numpy, as that processor does with
+    MLX (which may not run off the engine thread). Its tokens: the (h, w) patch grid over the
+    merge kernel."""
+
+    def __init__(self, processor: str, config: dict, pc: dict):
+        module, name = processor.split(":")
+        cls = getattr(importlib.import_module(module), name)
+        vc, settings = config["vision_config"], image_settings(pc)
+        for key in ("patch_size", "in_token_limit", "merge_kernel_size"):  # as mlx-vlm's processors take them
+            if key in vc:
+                settings.setdefault(key, vc[key])
+        accepted = inspect.signature(cls.__init__).parameters
+        self.proc = cls(**{k: v for k, v in settings.items() if k in accepted and k not in ("self", "kwargs")})
+
+    def _patches(self, image) -> tuple[np.ndarray, tuple[int, int]]:
+        p = self.proc.patch_size
+        image = self.proc.rescale(image.convert("RGB"))
+        x = np.asarray(image, np.float32) / 255.0
+        x = ((x - np.asarray(self.proc.image_mean, np.float32)) / np.asarray(self.proc.image_std, np.float32))
+        h, w = x.shape[0] // p, x.shape[1] // p
+        patches = x.transpose(2, 0, 1).reshape(3, h, p, w, p).transpose(1, 3, 0, 2, 4).reshape(-1, 3, p, p)
+        return np.ascontiguousarray(patches), (h, w)
+
+    def layout(self, image) -> ImageInput:
+        patches, (h, w) = self._patches(image)
+        kh, kw = self.proc.merge_kernel_size
+        return ImageInput(patches, (1, h, w), h * w // (kh * kw))
+
+    def pixels(self, image) -> np.ndarray:
+        return self._patches(image)[0]
+
+    @staticmethod
+    def image_kwargs(inp: ImageInput) -> dict:
+        import mlx.core as mx
+
+        _, h, w = inp.grid_thw
+        return {"image_grid_hws": mx.array([[h, w]]), "_grid_shapes": [(h, w)]}
+
+
 def _processor(name: str, config: dict, pc: dict):
     if name in _PROCESSORS:
         return _PROCESSORS[name](config, pc)
     return _PatchGrid(name, config, pc)
 
 
-_PROCESSORS = {"qwen": _QwenImages, "gemma4": _Gemma4Images, "pixtral": _PixtralImages}
+_PROCESSORS = {
+    "qwen": _QwenImages, "gemma4": _Gemma4Images, "pixtral": _PixtralImages,
+    "kimi_vl": partial(_KimiImages, "mlx_vlm.models.kimi_vl.processing_kimi_vl:KimiVLImageProcessor"),
+    "kimi_k25": partial(_KimiImages, "mlx_vlm.models.kimi_k25.processing_kimi_k25:KimiK25ImageProcessor"),
+}
 
 
 class _QwenVideo:
