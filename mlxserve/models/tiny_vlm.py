@@ -120,6 +120,7 @@ OVERRIDES: dict[str, dict] = {
                  "vision_config": {"image_size": 128}},
     "mistral_large3": {"image_break_token_id": VISION_START, "image_end_token_id": VISION_END,
                        "spatial_merge_size": 2, "vision_config": {"image_size": 128}},
+    "mage_vl": {"vision_config": {"hidden_size": 2 * VISION_WIDTH}},  # its tower's heads: a multiple of 32 wide
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
 }

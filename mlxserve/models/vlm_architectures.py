@@ -128,7 +128,8 @@ VLM_REFUSED: dict[str, str] = {
     # vision-language models
     "aya_vision": TILES,
     "clef": DECISION,
-    "cohere_compass": TILES,
+    "cohere_compass": NOT_YET.format(what="its get_input_embeddings gives deepstack features in a form of its "
+                                          "own and an attention mask, which the generic adapter does not pass on"),
     "colidefics3": EMBEDDING,
     "colqwen2_5": EMBEDDING,
     "d1": DECISION,
@@ -161,7 +162,6 @@ VLM_REFUSED: dict[str, str] = {
     "llmjpvl": NOT_YET.format(what="no adapter for its processor"),
     "locateanything": NOT_YET.format(what="it predicts several future tokens per step (box coordinates) through "
                                           "its own decoding loop"),
-    "mage_vl": TILES,
     "mimo_v2": AUDIO,
     "minicpmo": AUDIO,
     "minicpmv4_6": TILES,
@@ -226,7 +226,8 @@ VLM_REFUSED: dict[str, str] = {
     "openai_privacy_filter": f"a token classifier (it labels spans of its input): {NO_TEXT}",
     "pp_doclayout_v3": DETECTOR,
     "qwen3_embedding": EMBEDDING,
-    "qwen3_omni_moe": AUDIO,
+    "qwen3_omni_moe": ("Qwen3-Omni (a thinker with audio and vision towers, and a speech talker): its config "
+                       "nests them under thinker_config, which no adapter reads; mlx-lm has no text model of it"),
     "qwen_image": IMAGE_GENERATOR,
     "rfdetr": DETECTOR,
     "rt_detr_v2": DETECTOR,

@@ -74,6 +74,8 @@ FAMILIES = {
     # dots.ocr: its template's image marks are plain text, not ids in its config.
     "dots_ocr": Family("Qwen2VLImageProcessorPil", ("<|img|>", "<|endofimg|>"), tiny_preprocessor=QWEN_TINY),
     "indic_ocr": QWEN3,  # Qwen3.5 with an Indic vocabulary
+    "mage_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"),  # one frame a patch
+                      tiny_preprocessor=QWEN_TINY | {"temporal_patch_size": 1}),
     "paddleocr_vl": Family("mlx_vlm.models.paddleocr_vl.processing_paddleocr_vl:ImageProcessor",
                            ("vision_start_token_id", "vision_end_token_id"),
                            tiny_preprocessor={"min_pixels": 1024, "max_pixels": 16384, "patch_size": 16,
