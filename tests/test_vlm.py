@@ -473,10 +473,10 @@ def test_bidirectional_image_attention_is_refused_where_it_is_not_mended(tmp_pat
 def test_qwen3_vl_reads_its_preprocessor_size_bounds():
     """Qwen3-VL's preprocessor_config.json gives `size: {shortest_edge, longest_edge}` in pixels
     (no min/max_pixels): 65536 px at least, so a 224 px image is upscaled to 256 px, 64 tokens."""
-    from mlxserve.models.vlm_generic import _QwenImages
+    from mlxserve.models.vlm_images import QwenImages
 
     config = SHAPES["qwen3-vl-4b"]
-    images = _QwenImages(config, config["preprocessor_config"])
+    images = QwenImages(config, config["preprocessor_config"])
     assert images.layout(picture(0, (224, 224))).num_tokens == 64
     assert images.layout(picture(0, (1024, 1024))).num_tokens == 1024
     assert images.layout(picture(0, (768, 1024))).num_tokens == 768

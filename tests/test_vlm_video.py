@@ -161,13 +161,13 @@ def test_video_settings_come_from_video_preprocessor_config(tmp_path):
 
     from mlxserve.models.shapes import SHAPES
     from mlxserve.models.vlm import processor_config
-    from mlxserve.models.vlm_generic import _QwenVideo
+    from mlxserve.models.vlm_images import QwenVideo
 
     config = SHAPES["qwen3-vl-4b"]
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(config["preprocessor_config"]))
-    images_only = _QwenVideo(config, processor_config(tmp_path)).processor
+    images_only = QwenVideo(config, processor_config(tmp_path)).processor
     assert (images_only.min_pixels, images_only.max_pixels, images_only.fps) == (65536, 16777216, 2.0)
     video = {"size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 1, "patch_size": 16}
     (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(video))
-    vp = _QwenVideo(config, processor_config(tmp_path)).processor
+    vp = QwenVideo(config, processor_config(tmp_path)).processor
     assert (vp.min_pixels, vp.max_pixels, vp.fps, vp.patch_size, vp.merge_size) == (4096, 25165824, 1, 16, 2)
