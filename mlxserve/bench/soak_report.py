@@ -45,7 +45,7 @@ def markdown(result: dict, info: dict, command: str) -> str:
     if lat.get("flat") is not None:
         md += [f"TTFT p99 per interval after the warm-up: {lat['first']:,.0f} ms first, {lat['last']:,.0f} ms last, "
                f"{lat['min']:,.0f}-{lat['max']:,.0f} ms; the fitted line moves by {lat['fitted_change']:+.1%} "
-               f"(flat: at most {getattr(args, 'latency_tolerance', 0.25):.0%}).", ""]
+               f"(passes unless it rises by more than {getattr(args, 'latency_tolerance', 0.25):.0%}).", ""]
     crash = result.get("crash")
     if crash:
         share = crash["share_on_disk"]
