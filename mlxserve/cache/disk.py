@@ -193,6 +193,12 @@ class DiskTier:
         with self._lock:
             return key in self._index
 
+    def count_present(self, keys) -> int:
+        """How many of `keys` have a file (one lock for them all: /v1/cache/stats asks for
+        every block in memory)."""
+        with self._lock:
+            return sum(key in self._index for key in keys)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._index)

@@ -232,8 +232,8 @@ class AsyncEngine:
         if pc is not None:
             stats["prefix_cache"]["pins"] = [p.describe() for p in self.pins.pins.values()]
             if pc.disk is not None:  # how much of memory a crash now would keep
-                stats["prefix_cache"]["disk"]["memory_blocks_on_disk"] = sum(
-                    b.hash in pc.disk for b in pc.pool.blocks())
+                stats["prefix_cache"]["disk"]["memory_blocks_on_disk"] = pc.disk.count_present(
+                    b.hash for b in pc.pool.blocks())
         if self.loaded.vision is not None:
             stats["vision_cache"] = {"enabled": vc is not None, **(vc.stats() if vc else {})}
         # Beside the caches' own byte counts, all MLX holds (weights, running KV, caches), read

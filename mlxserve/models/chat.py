@@ -35,8 +35,6 @@ class PromptTooLong(ValueError):
         has = f"{count} tokens" if exact else f"at least {count} tokens (from its length)"
         super().__init__(f"This model's maximum context length is {limit} tokens, and the prompt has "
                          f"{has}: no room for output.")
-        self.count = count
-        self.limit = limit
 
 
 def render_chat(tokenizer, messages: list[dict], *, tools=None, chat_template_kwargs=None,
@@ -110,9 +108,8 @@ class PrefixEncoder:
         self.hf = hf
         # tokenizers.Tokenizer (Rust); None: a slow (Python) tokenizer, encoded whole
         self.fast = getattr(hf, "backend_tokenizer", None) if getattr(hf, "is_fast", False) else None
-        self.cut_ids = self._cut_ids()
-        decoder = getattr(self.hf, "added_tokens_decoder", None) or {}
-        self.cut_texts = {decoder[i].content: i for i in self.cut_ids}
+        self.cut_texts = self._cut_texts()  # {token's text: id}
+        self.cut_ids = frozenset(self.cut_texts.values())
         self.recent: OrderedDict[str, tuple[list[int], list[int], list[int]]] = OrderedDict()
         self.lock = threading.Lock()
         if check and self.fast is not None and self.cut_ids and not self._agrees():
@@ -132,14 +129,14 @@ class PrefixEncoder:
                         return False
         return True
 
-    def _cut_ids(self) -> frozenset[int]:
-        """Ids of added tokens a text may be cut just after: special, matched as written (no
-        whitespace stripped around them, not normalized, not only as a whole word)."""
+    def _cut_texts(self) -> dict[str, int]:
+        """Added tokens a text may be cut just after, by their text: special, matched as written
+        (no whitespace stripped around them, not normalized, not only as a whole word)."""
         decoder = getattr(self.hf, "added_tokens_decoder", None) or {}
-        return frozenset(i for i, t in decoder.items()
-                         if getattr(t, "special", False) and not getattr(t, "lstrip", True)
-                         and not getattr(t, "rstrip", True) and not getattr(t, "normalized", True)
-                         and not getattr(t, "single_word", True))
+        return {t.content: i for i, t in decoder.items()
+                if getattr(t, "special", False) and not getattr(t, "lstrip", True)
+                and not getattr(t, "rstrip", True) and not getattr(t, "normalized", True)
+                and not getattr(t, "single_word", True)}
 
     def encode(self, text: str, token_limit: int | None = None) -> list[int]:
         """The ids; PromptTooLong, before they are built, if there are more than `token_limit`."""
