@@ -1,5 +1,6 @@
 """One entry point for every kind of model source."""
 
+import copy
 import functools
 import hashlib
 import json
@@ -188,6 +189,11 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
     )
     name = served_name(source, "dummy")
     tokenizer = default_tokenizer()
+    if config.get("added_tokens"):  # a tiny config's image tokens (models/tiny_vlm.py)
+        from mlxserve.models.chat import hf_of
+
+        tokenizer = copy.deepcopy(tokenizer)
+        hf_of(tokenizer).add_special_tokens({"additional_special_tokens": config["added_tokens"]})
     materialize(model)
     return LoadedModel(
         model=model,

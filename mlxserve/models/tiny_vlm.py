@@ -101,7 +101,30 @@ def tiny_vlm_config(model_type: str) -> dict:
     family = family_of(config)
     config["preprocessor_config"] = copy.deepcopy(family.tiny_preprocessor if family else
                                                   ADAPTER_PREPROCESSORS.get(model_type, {}))
+    if family is not None and family.image_processor is not None:
+        _own_processor_tokens(config, family)
     return config
+
+
+def _own_processor_tokens(config: dict, family) -> None:
+    """A family whose own processor lays images out names its image tokens by text ("<image>",
+    "<fake_token_around_image>"), which the default tokenizer lacks: they become added tokens of
+    the tiny model's tokenizer (`added_tokens`, models/load.py load_dummy), past the vocabulary,
+    which grows to hold them; the config's image token ids are theirs."""
+    from mlxserve.models.chat import hf_of
+    from mlxserve.models.load import default_tokenizer
+    from mlxserve.models.vlm_images import own_processor
+
+    tokenizer = copy.deepcopy(hf_of(default_tokenizer()))
+    size = len(tokenizer)
+    proc = own_processor(family.processor, family.image_processor, config["preprocessor_config"], tokenizer)
+    config["added_tokens"] = tokenizer.convert_ids_to_tokens(list(range(size, len(tokenizer))))
+    image = tokenizer.convert_tokens_to_ids(family.placeholder or proc.image_token)
+    for key in family.image_token:
+        if key in config:
+            config[key] = image
+    vocab = max(QWEN_VOCAB, len(tokenizer) + 64 - len(tokenizer) % 64)
+    config["vocab_size"] = config["text_config"]["vocab_size"] = vocab
 
 
 # Types of the hand-written adapters (models/vlm.py) with a tiny named shape already.

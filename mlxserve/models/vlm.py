@@ -51,6 +51,11 @@ class ImageInput:
     image: object = None  # while pixel_values is None: the decoded image, or (VideoFrames, group) for video
     video: int | None = None  # for a group of video frames: which video of the request it belongs to
     seconds: float | None = None  # for a group of video frames: its time in the video (Qwen3-VL)
+    # A family whose own processor lays the image out (tiles, crops, rows): the image's whole span
+    # of ids (image tokens and the text between them) and the processor's other outputs for the
+    # tower (numpy: pixel masks, image sizes).
+    ids: tuple[int, ...] | None = None
+    extras: dict | None = None
 
 
 class VideoFrames:

@@ -151,7 +151,6 @@ VLM_REFUSED: dict[str, str] = {
     "granite_vision": ANYRES,
     "hunyuan_vl": TILES,
     "idefics2": NOT_YET.format(what="no adapter for its processor (image splitting, perceiver-pooled tokens)"),
-    "idefics3": TILES,
     "inkling": AUDIO,
     "internvl": TILES,
     "internvl_chat": TILES,

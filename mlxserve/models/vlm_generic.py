@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mlxserve.models.vlm import ImageInput, VisionAdapter
-from mlxserve.models.vlm_images import VIDEOS, image_processor
+from mlxserve.models.vlm_images import VIDEOS, OwnLayout, image_processor
 
 
 # preprocessor_config.json of the tiny configs (models/tiny_vlm.py): images of at most 16 tokens.
@@ -53,6 +53,10 @@ class Family:
     video: str | None = None  # "qwen3": timestamped frame groups (vlm_images.QwenVideo); None: images only
     tiny_preprocessor: dict | None = None  # the tiny configs' preprocessor_config.json
     image_token: tuple[str, ...] = ("image_token_id", "image_token_index")  # config keys of the image token's id
+    # A family whose own processor lays an image out (vlm_images.OwnLayout): `processor` is that
+    # processor's "module:Class", this its image processor's (transformers' name or "module:Class").
+    image_processor: str | None = None
+    placeholder: str | None = None  # the text the processor expands into an image (its image_token)
 
 
 QWEN3 = Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3", tiny_preprocessor=QWEN_TINY)
@@ -83,6 +87,12 @@ FAMILIES = {
                       tiny_preprocessor=KIMI_TINY, image_token=KIMI_IMAGE),
     "kimi_k25": Family("kimi_k25", ("<|media_begin|>image<|media_content|>", "<|media_end|>"),
                        tiny_preprocessor=KIMI_TINY, image_token=KIMI_IMAGE),
+    # Laid out by the family's own processor: tiles with their row and column tags, then the
+    # whole image (64 px tiles of 4 tokens each, a 128 px image at most).
+    "idefics3": Family("mlx_vlm.models.idefics3.processing_idefics3:Idefics3Processor", (None, None),
+                       image_processor="Idefics3ImageProcessorPil",
+                       tiny_preprocessor={"size": {"longest_edge": 128}, "max_image_size": {"longest_edge": 64},
+                                          "processor_config": {"image_seq_len": 4}}),
     # Rows of image tokens and breaks: no tokens around them.
     "pixtral": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 64}}),
     "mistral3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),
@@ -232,7 +242,13 @@ class GenericVLM(VisionAdapter):
         if self.whole_images:
             _BIDIRECTIONAL[self.family]()
         super().__init__(model, config, processor_config, tokenizer)
-        self.images = image_processor(spec.processor, config, processor_config)
+        if spec.image_processor is None:
+            self.images = image_processor(spec.processor, config, processor_config)
+        else:
+            from mlxserve.models.chat import hf_of
+
+            self.images = OwnLayout(spec.processor, spec.image_processor, config, processor_config,
+                                    hf_of(tokenizer), spec.placeholder)
         self.image_token_id = self._token_id(config, spec.image_token)
         self._wrap = (self._wrap_text(config, spec.wrap[0]), self.token_text(self.image_token_id),
                       self._wrap_text(config, spec.wrap[1]))
@@ -280,12 +296,17 @@ class GenericVLM(VisionAdapter):
         return {self.image_token_id, *self._breaks()} if hasattr(self.images, "token_ids") else {self.image_token_id}
 
     def _image_ids(self, image: ImageInput) -> list[int]:
-        """The ids of an image's placeholder inside its wrap: its image tokens (and row breaks)."""
+        """The ids of an image's placeholder inside its wrap: its image tokens (and row breaks), or
+        the span its family's own processor laid out."""
+        if image.ids is not None:
+            return list(image.ids)
         if hasattr(self.images, "token_ids"):
             return self.images.token_ids(image, self.image_token_id, *self._breaks())
         return [self.image_token_id] * image.num_tokens
 
     def placeholder(self, image: ImageInput) -> str:
+        if image.ids is not None:  # checked to tokenize back to these ids (OwnLayout.layout)
+            return self.images.tokenizer.decode(image.ids, clean_up_tokenization_spaces=False)
         start, _, end = self._wrap
         return start + "".join(self.tokenizer.convert_ids_to_tokens(self._image_ids(image))) + end
 

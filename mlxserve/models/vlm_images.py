@@ -206,6 +206,77 @@ class KimiImages:
         return {"image_grid_hws": mx.array([[h, w]]), "_grid_shapes": [(h, w)]}
 
 
+def own_processor(processor: str, image_processor: str, pc: dict, tokenizer):
+    """A family's own processor ("module:Class") over `tokenizer` (which it may add its image
+    tokens to), with its image processor (transformers' class name, or "module:Class")."""
+    import transformers
+
+    def resolve(name: str):
+        if ":" in name:
+            module, name = name.split(":")
+            return getattr(importlib.import_module(module), name)
+        return getattr(transformers, name)
+
+    cls = resolve(processor)
+    accepted = inspect.signature(cls.__init__).parameters
+    own = {k: v for k, v in pc.get("processor_config", {}).items() if k in accepted}
+    return cls(image_processor=resolve(image_processor).from_dict(image_settings(pc)), tokenizer=tokenizer, **own)
+
+
+class OwnLayout:
+    """A family whose own processor lays an image out in the prompt: tiles or crops and a
+    thumbnail with tokens between them (Idefics3, SmolVLM, InternVL, Phi-3-vision...), an
+    any-resolution grid (LLaVA-NeXT). The processor (mlx-vlm's or transformers', built from
+    preprocessor_config.json and processor_config.json as its from_pretrained reads them) is
+    run on the image's placeholder alone: the ids it gives are the image's span, kept whole
+    (one image is one run of the prompt, cached as one), and its other outputs go to the
+    tower with the pixels."""
+
+    def __init__(self, processor: str, image_processor: str, config: dict, pc: dict, tokenizer,
+                 placeholder: str | None = None):
+        import copy
+
+        # The processor adds its image tokens to the tokenizer it is given (a no-op for the model's
+        # own, which has them): given a copy, a tokenizer that lacks them is found and refused.
+        self.tokenizer = copy.deepcopy(tokenizer)
+        size = len(self.tokenizer)
+        self.proc = own_processor(processor, image_processor, pc, self.tokenizer)
+        if len(self.tokenizer) != size:
+            added = self.tokenizer.convert_ids_to_tokens(list(range(size, len(self.tokenizer))))
+            raise ValueError(f"the tokenizer lacks the processor's image tokens {added}")
+        self.placeholder = placeholder or self.proc.image_token
+        self._bos = self.tokenizer("")["input_ids"]  # what the tokenizer adds around any text
+
+    def token_id(self) -> int:
+        return self.tokenizer.convert_tokens_to_ids(self.placeholder)
+
+    def _run(self, image) -> dict:
+        out = self.proc(text=[self.placeholder], images=[image.convert("RGB")])
+        return {k: np.asarray(v) for k, v in out.items() if v is not None and k != "attention_mask"}
+
+    def layout(self, image) -> ImageInput:
+        out = self._run(image)
+        ids = [int(t) for t in out.pop("input_ids")[0]]
+        if self._bos and ids[: len(self._bos[:1])] == self._bos[:1]:
+            ids = ids[1:]
+        if len(self._bos) > 1 and ids[-1:] == self._bos[-1:]:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        if self.tokenizer(text, add_special_tokens=False)["input_ids"] != ids:
+            raise ValueError("the processor's image layout does not tokenize back to itself")
+        pixels = out.pop("pixel_values")
+        return ImageInput(pixels, None, len(ids), ids=tuple(ids), extras=out)
+
+    def pixels(self, image) -> np.ndarray:
+        return self._run(image)["pixel_values"]
+
+    @staticmethod
+    def image_kwargs(inp: ImageInput) -> dict:
+        import mlx.core as mx
+
+        return {k: mx.array(v) for k, v in (inp.extras or {}).items()}
+
+
 def image_processor(name: str, config: dict, pc: dict):
     """A family's image processor by its Family.processor name (models/vlm_generic.py)."""
     if name in PROCESSORS:

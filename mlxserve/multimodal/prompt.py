@@ -82,6 +82,8 @@ def image_spans(prompt_ids: list[int], vision, images: list[PreparedImage]) -> l
     whose images have some: Pixtral's); a video is one run of video tokens, cut into its
     frame groups in order.
     """
+    if any(im.pixels.ids is not None for im in images):
+        return _laid_out_spans(prompt_ids, vision.image_token_id, images)
     # Token id -> which run it belongs to: an image's (its image tokens and breaks) or a video's.
     kind = {t: "image" for t in vision.image_span_ids()} | {vision.video_token_id: "video"}
     kind.pop(None, None)
@@ -113,6 +115,27 @@ def image_spans(prompt_ids: list[int], vision, images: list[PreparedImage]) -> l
     if k != len(images) or len(out) != len(images) or sum(r[1] for r in runs) != sum(o.num_tokens for o in out):
         raise MediaError("the prompt's image placeholder tokens do not match its images "
                          "(does the text itself contain the model's image or video tokens?)")
+    return out
+
+
+def _laid_out_spans(prompt_ids: list[int], image_token: int, images: list[PreparedImage]) -> list[PromptImage]:
+    """Images whose family's processor laid each out as a span of ids (text between its tiles):
+    each span found whole, in order, and nothing else in the prompt taking the image token."""
+    import numpy as np
+
+    ids = np.asarray(prompt_ids)
+    out, pos = [], 0
+    for im in images:
+        span = np.asarray(im.pixels.ids)
+        starts = np.flatnonzero(ids[pos : len(ids) - len(span) + 1] == span[0]) + pos
+        start = next((int(i) for i in starts if (ids[i : i + len(span)] == span).all()), None)
+        if start is None:
+            raise MediaError("the prompt's image placeholder tokens do not match its images "
+                             "(does the text itself contain the model's image tokens?)")
+        out.append(PromptImage(im.content_hash, start, len(span), im.pixels))
+        pos = start + len(span)
+    if (ids == image_token).sum() != sum(im.pixels.ids.count(image_token) for im in images):
+        raise MediaError("the prompt's text holds the model's image token outside its images")
     return out
 
 
