@@ -118,6 +118,11 @@ def _own_processor_tokens(config: dict, family) -> None:
     tokenizer = copy.deepcopy(hf_of(default_tokenizer()))
     size = len(tokenizer)
     proc = own_processor(family.processor, family.image_processor, config["preprocessor_config"], tokenizer)
+    # Those it reads off the tokenizer (SmolVLM's, InternVL's) and does not add itself.
+    texts = [v for k, v in vars(proc).items() if k.endswith("_token") and isinstance(v, str) and v.startswith("<")]
+    missing = [t for t in dict.fromkeys(texts) if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if missing:
+        tokenizer.add_special_tokens({"additional_special_tokens": missing})
     config["added_tokens"] = tokenizer.convert_ids_to_tokens(list(range(size, len(tokenizer))))
     image = tokenizer.convert_tokens_to_ids(family.placeholder or proc.image_token)
     for key in family.image_token:

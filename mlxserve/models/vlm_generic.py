@@ -93,6 +93,11 @@ FAMILIES = {
                        image_processor="Idefics3ImageProcessorPil",
                        tiny_preprocessor={"size": {"longest_edge": 128}, "max_image_size": {"longest_edge": 64},
                                           "processor_config": {"image_seq_len": 4}}),
+    # Idefics3's layout and model; the processor reads its image tokens off the tokenizer.
+    "smolvlm": Family("mlx_vlm.models.smolvlm.processing_smolvlm:SmolVLMProcessor", (None, None),
+                      image_processor="SmolVLMImageProcessorPil",
+                      tiny_preprocessor={"size": {"longest_edge": 128}, "max_image_size": {"longest_edge": 64},
+                                         "processor_config": {"image_seq_len": 4}}),
     # Rows of image tokens and breaks: no tokens around them.
     "pixtral": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 64}}),
     "mistral3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),
