@@ -148,6 +148,10 @@ OVERRIDES: dict[str, dict] = {
                  "vision_config": {"image_size": 128}},
     "mistral_large3": {"image_break_token_id": VISION_START, "image_end_token_id": VISION_END,
                        "spatial_merge_size": 2, "vision_config": {"image_size": 128}},
+    # Its perceiver pools each crop to image_seq_len latents (its family's processor_config).
+    "idefics2": {"perceiver_config": {"model_type": "idefics2_perceiver", "num_key_value_heads": 2,
+                                      "resampler_depth": 1, "resampler_head_dim": 16, "resampler_n_heads": 2,
+                                      "resampler_n_latents": 4}},
     "mage_vl": {"vision_config": {"hidden_size": 2 * VISION_WIDTH}},  # its tower's heads: a multiple of 32 wide
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},

@@ -604,6 +604,10 @@ def build_vlm(config: dict):
     text = dict(config.get("text_config") or config)
     text.setdefault("model_type", config["model_type"])
     model_config.text_config = arch.TextConfig.from_dict(text)
+    for name in ("perceiver", "projector"):  # further module configs, as mlx-vlm's loader reads them (Idefics2's)
+        if isinstance(config.get(f"{name}_config"), dict) and hasattr(arch, f"{name.title()}Config"):
+            module_config = getattr(arch, f"{name.title()}Config").from_dict(config[f"{name}_config"])
+            setattr(model_config, f"{name}_config", module_config)
     model = arch.Model(model_config)
     if config["model_type"] == "paddleocr_vl":
         _paddle_projector_width(model, model_config)

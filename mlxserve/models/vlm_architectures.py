@@ -150,7 +150,6 @@ VLM_REFUSED: dict[str, str] = {
     "granite4_vision": ANYRES,
     "granite_vision": ANYRES,
     "hunyuan_vl": TILES,
-    "idefics2": NOT_YET.format(what="no adapter for its processor (image splitting, perceiver-pooled tokens)"),
     "inkling": AUDIO,
     "internvl": TILES,
     "internvl_chat": TILES,

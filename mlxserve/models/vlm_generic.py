@@ -93,6 +93,11 @@ FAMILIES = {
                        image_processor="Idefics3ImageProcessorPil",
                        tiny_preprocessor={"size": {"longest_edge": 128}, "max_image_size": {"longest_edge": 64},
                                           "processor_config": {"image_seq_len": 4}}),
+    # Crops and the whole image, each a run of perceiver-pooled tokens between boundary tokens.
+    "idefics2": Family("mlx_vlm.models.idefics2.processing_idefics2:Idefics2Processor", (None, None),
+                       image_processor="Idefics2ImageProcessorPil",
+                       tiny_preprocessor={"size": {"longest_edge": 64, "shortest_edge": 32}, "do_image_splitting": True,
+                                          "processor_config": {"image_seq_len": 4}}),
     # Idefics3's layout and model; the processor reads its image tokens off the tokenizer.
     "smolvlm": Family("mlx_vlm.models.smolvlm.processing_smolvlm:SmolVLMProcessor", (None, None),
                       image_processor="SmolVLMImageProcessorPil",
