@@ -121,10 +121,14 @@ def _own_processor_tokens(config: dict, family) -> None:
     # Those it reads off the tokenizer (SmolVLM's, InternVL's) and does not add itself.
     texts = [v for k, v in vars(proc).items() if k.endswith("_token") and isinstance(v, str) and v.startswith("<")]
     missing = [t for t in dict.fromkeys(texts) if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
-    if missing:
+    if missing:  # then built again: it reads its token ids off the tokenizer as it is built
         tokenizer.add_special_tokens({"additional_special_tokens": missing})
+        proc = own_processor(family.processor, family.image_processor, config["preprocessor_config"], tokenizer)
     config["added_tokens"] = tokenizer.convert_ids_to_tokens(list(range(size, len(tokenizer))))
-    image = tokenizer.convert_tokens_to_ids(family.placeholder or proc.image_token)
+    # The token the processor fills with image rows (Aya Vision's <|IMG_PATCH|>, not its <image> placeholder).
+    image = getattr(proc, "image_token_id", None)
+    if not isinstance(image, int):
+        image = tokenizer.convert_tokens_to_ids(family.placeholder or proc.image_token)
     for key in family.image_token:
         if key in config:
             config[key] = image
@@ -139,6 +143,8 @@ ADAPTER_PREPROCESSORS = {"qwen2_vl": SHAPES["qwen2.5-vl-tiny"]["preprocessor_con
 
 # What the field names cannot tell, per model type.
 OVERRIDES: dict[str, dict] = {
+    # Tiles of (64 / (16 x 2))^2 = 4 tokens (its processor's img_size, patch_size, downsample_factor).
+    "aya_vision": {"downsample_factor": 2, "vision_config": {"model_type": "siglip_vision_model"}},
     "dots_ocr": {"vision_config": {"hidden_size": HIDDEN}},  # its tower's output width (embed_dim is its own)
     # Pixtral's [IMG_BREAK] and [IMG_END] (its processor's texts, not config ids in real configs); the
     # tower's rotary table covers image_size / patch_size patches a side, as far as the processor's

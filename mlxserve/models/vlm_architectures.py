@@ -126,7 +126,6 @@ def _text_only() -> str:
 # checks each is refused, and that the list names no type served otherwise.)
 VLM_REFUSED: dict[str, str] = {
     # vision-language models
-    "aya_vision": TILES,
     "clef": DECISION,
     "cohere_compass": NOT_YET.format(what="its get_input_embeddings gives deepstack features in a form of its "
                                           "own and an attention mask, which the generic adapter does not pass on"),

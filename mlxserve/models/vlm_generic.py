@@ -93,6 +93,12 @@ FAMILIES = {
                        image_processor="Idefics3ImageProcessorPil",
                        tiny_preprocessor={"size": {"longest_edge": 128}, "max_image_size": {"longest_edge": 64},
                                           "processor_config": {"image_seq_len": 4}}),
+    # Crops, then the whole image, each a run of patch tokens after its tag (TILE_1, TILE_GLOBAL).
+    "aya_vision": Family("mlx_vlm.models.aya_vision.processing_aya_vision:AyaVisionProcessor", (None, None),
+                         image_processor="GotOcr2ImageProcessorPil",
+                         tiny_preprocessor={"size": {"height": 64, "width": 64}, "crop_to_patches": True,
+                                            "max_patches": 4, "processor_config": {
+                                                "img_size": 64, "patch_size": 16, "downsample_factor": 2}}),
     # Crops and the whole image, each a run of perceiver-pooled tokens between boundary tokens.
     "idefics2": Family("mlx_vlm.models.idefics2.processing_idefics2:Idefics2Processor", (None, None),
                        image_processor="Idefics2ImageProcessorPil",
