@@ -150,8 +150,6 @@ VLM_REFUSED: dict[str, str] = {
     "granite_vision": ANYRES,
     "hunyuan_vl": TILES,
     "inkling": AUDIO,
-    "internvl": TILES,
-    "internvl_chat": TILES,
     "jina_vlm": TILES,
     "llava_bunny": NOT_YET.format(what="no adapter for its SigLIP processor and its -200 image index"),
     "llava_next": ANYRES,

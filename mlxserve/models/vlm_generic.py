@@ -35,6 +35,7 @@ import numpy as np
 
 from mlxserve.models.vlm import ImageInput, VisionAdapter
 from mlxserve.models.vlm_images import VIDEOS, OwnLayout, image_processor
+from mlxserve.models.vlm_spans import ProcessorSpans, ProcessorSpec
 
 
 # preprocessor_config.json of the tiny configs (models/tiny_vlm.py): images of at most 16 tokens.
@@ -57,6 +58,9 @@ class Family:
     # processor's "module:Class", this its image processor's (transformers' name or "module:Class").
     image_processor: str | None = None
     placeholder: str | None = None  # the text the processor expands into an image (its image_token)
+    # A processor not shaped like Idefics3's (built on the tokenizer alone, outputs pointing into its
+    # ids): what models/vlm_spans.py needs to know of it; `processor` is its "module:Class".
+    own: ProcessorSpec | None = None
 
 
 QWEN3 = Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3", tiny_preprocessor=QWEN_TINY)
@@ -99,6 +103,9 @@ FAMILIES = {
                          tiny_preprocessor={"size": {"height": 64, "width": 64}, "crop_to_patches": True,
                                             "max_patches": 4, "processor_config": {
                                                 "img_size": 64, "patch_size": 16, "downsample_factor": 2}}),
+    # Tiles (and a thumbnail) as one run of image tokens between its marks (as text in its template).
+    "internvl": Family("internvl", ("<img>", "</img>"), tiny_preprocessor={"processor_config": {"image_seq_length": 4}}),
+    "internvl_chat": Family("internvl_chat", ("<img>", "</img>")),
     # Crops and the whole image, each a run of perceiver-pooled tokens between boundary tokens.
     "idefics2": Family("mlx_vlm.models.idefics2.processing_idefics2:Idefics2Processor", (None, None),
                        image_processor="Idefics2ImageProcessorPil",
@@ -258,7 +265,12 @@ class GenericVLM(VisionAdapter):
         if self.whole_images:
             _BIDIRECTIONAL[self.family]()
         super().__init__(model, config, processor_config, tokenizer)
-        if spec.image_processor is None:
+        if spec.own is not None:
+            from mlxserve.models.chat import hf_of
+
+            self.images = ProcessorSpans(spec.processor, spec.own, config, processor_config, hf_of(tokenizer),
+                                         spec.image_processor, spec.placeholder)
+        elif spec.image_processor is None:
             self.images = image_processor(spec.processor, config, processor_config)
         else:
             from mlxserve.models.chat import hf_of

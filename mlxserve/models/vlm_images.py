@@ -14,6 +14,7 @@ from functools import partial
 import numpy as np
 
 from mlxserve.models.vlm import ImageInput, video_groups
+from mlxserve.models.vlm_layouts import InternVLTiles
 
 
 def qwen_image_processor(config: dict, pc: dict):
@@ -288,6 +289,8 @@ PROCESSORS = {
     "qwen": QwenImages, "gemma4": Gemma4Images, "pixtral": PixtralImages,
     "kimi_vl": partial(KimiImages, "mlx_vlm.models.kimi_vl.processing_kimi_vl:KimiVLImageProcessor"),
     "kimi_k25": partial(KimiImages, "mlx_vlm.models.kimi_k25.processing_kimi_k25:KimiK25ImageProcessor"),
+    # Several tower inputs an image (models/vlm_layouts.py)
+    "internvl": partial(InternVLTiles, chat=False), "internvl_chat": partial(InternVLTiles, chat=True),
 }
 
 
