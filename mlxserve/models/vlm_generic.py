@@ -35,7 +35,6 @@ import numpy as np
 
 from mlxserve.models.vlm import ImageInput, VisionAdapter
 from mlxserve.models.vlm_images import VIDEOS, OwnLayout, image_processor
-from mlxserve.models.vlm_spans import ProcessorSpans, ProcessorSpec
 
 
 # preprocessor_config.json of the tiny configs (models/tiny_vlm.py): images of at most 16 tokens.
@@ -58,9 +57,6 @@ class Family:
     # processor's "module:Class", this its image processor's (transformers' name or "module:Class").
     image_processor: str | None = None
     placeholder: str | None = None  # the text the processor expands into an image (its image_token)
-    # A processor not shaped like Idefics3's (built on the tokenizer alone, outputs pointing into its
-    # ids): what models/vlm_spans.py needs to know of it; `processor` is its "module:Class".
-    own: ProcessorSpec | None = None
 
 
 QWEN3 = Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3", tiny_preprocessor=QWEN_TINY)
@@ -265,12 +261,7 @@ class GenericVLM(VisionAdapter):
         if self.whole_images:
             _BIDIRECTIONAL[self.family]()
         super().__init__(model, config, processor_config, tokenizer)
-        if spec.own is not None:
-            from mlxserve.models.chat import hf_of
-
-            self.images = ProcessorSpans(spec.processor, spec.own, config, processor_config, hf_of(tokenizer),
-                                         spec.image_processor, spec.placeholder)
-        elif spec.image_processor is None:
+        if spec.image_processor is None:
             self.images = image_processor(spec.processor, config, processor_config)
         else:
             from mlxserve.models.chat import hf_of
