@@ -101,7 +101,9 @@ def tiny_vlm_config(model_type: str) -> dict:
     family = family_of(config)
     config["preprocessor_config"] = copy.deepcopy(family.tiny_preprocessor if family else
                                                   ADAPTER_PREPROCESSORS.get(model_type, {}))
-    if family is not None and family.image_processor is not None:
+    if family is not None and family.own is not None:
+        _processor_spans_tokens(config, family)
+    elif family is not None and family.image_processor is not None:
         _own_processor_tokens(config, family)
     return config
 
@@ -126,6 +128,28 @@ def _own_processor_tokens(config: dict, family) -> None:
         proc = own_processor(family.processor, family.image_processor, config["preprocessor_config"], tokenizer)
     config["added_tokens"] = tokenizer.convert_ids_to_tokens(list(range(size, len(tokenizer))))
     # The token the processor fills with image rows (Aya Vision's <|IMG_PATCH|>, not its <image> placeholder).
+    image = getattr(proc, "image_token_id", None)
+    if not isinstance(image, int):
+        image = tokenizer.convert_tokens_to_ids(family.placeholder or proc.image_token)
+    for key in family.image_token:
+        if key in config:
+            config[key] = image
+    vocab = max(QWEN_VOCAB, len(tokenizer) + 64 - len(tokenizer) % 64)
+    config["vocab_size"] = config["text_config"]["vocab_size"] = vocab
+
+
+def _processor_spans_tokens(config: dict, family) -> None:
+    """As _own_processor_tokens, for a processor models/vlm_spans.py builds: the tokens its
+    ProcessorSpec names and those it adds itself become added tokens of the tiny tokenizer."""
+    from mlxserve.models.chat import hf_of
+    from mlxserve.models.load import default_tokenizer
+    from mlxserve.models.vlm_spans import build_processor
+
+    tokenizer = copy.deepcopy(hf_of(default_tokenizer()))
+    size = len(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(family.own.tokens)})
+    proc = build_processor(family.processor, config["preprocessor_config"], tokenizer, family.image_processor)
+    config["added_tokens"] = tokenizer.convert_ids_to_tokens(list(range(size, len(tokenizer))))
     image = getattr(proc, "image_token_id", None)
     if not isinstance(image, int):
         image = tokenizer.convert_tokens_to_ids(family.placeholder or proc.image_token)
@@ -164,4 +188,6 @@ OVERRIDES: dict[str, dict] = {
     "mage_vl": {"vision_config": {"hidden_size": 2 * VISION_WIDTH}},  # its tower's heads: a multiple of 32 wide
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
+    # The processor's fixed sizes: a 728 px image, 14 px patches, downsampled 4x a side to 13 x 13 tokens.
+    "step3p7": {"vision_config": {"image_size": 728, "patch_size": 14, "layers": 1}},
 }

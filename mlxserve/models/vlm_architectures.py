@@ -182,7 +182,6 @@ VLM_REFUSED: dict[str, str] = {
                                      "prefix cache cannot hold"),
     "sam3": DETECTOR,
     "sam3_1": DETECTOR,
-    "step3p7": TILES,
     "unlimited_ocr": TILES,
     "youtu_vl": NOT_YET.format(what="no adapter for its SigLIP-2 processor (patches at the image's own aspect)"),
     "zaya1_vl": NOT_YET.format(what="its layers' caches are mlx-vlm's own pairs (CacheList) and its image "

@@ -35,6 +35,7 @@ import numpy as np
 
 from mlxserve.models.vlm import ImageInput, VisionAdapter
 from mlxserve.models.vlm_images import VIDEOS, OwnLayout, image_processor
+from mlxserve.models.vlm_spans import ProcessorSpans, ProcessorSpec
 
 
 # preprocessor_config.json of the tiny configs (models/tiny_vlm.py): images of at most 16 tokens.
@@ -57,6 +58,9 @@ class Family:
     # processor's "module:Class", this its image processor's (transformers' name or "module:Class").
     image_processor: str | None = None
     placeholder: str | None = None  # the text the processor expands into an image (its image_token)
+    # A processor not shaped like Idefics3's (built on the tokenizer alone, outputs pointing into its
+    # ids): what models/vlm_spans.py needs to know of it; `processor` is its "module:Class".
+    own: ProcessorSpec | None = None
 
 
 QWEN3 = Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3", tiny_preprocessor=QWEN_TINY)
@@ -116,6 +120,12 @@ FAMILIES = {
     "pixtral": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 64}}),
     "mistral3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),
     "mistral_large3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),
+    # The whole image (728 px, 169 tokens) after its crops (504 px, 81 tokens each, rows ended by
+    # <patch_newline>), each between its marks; sizes fixed by the processor.
+    "step3p7": Family("mlx_vlm.models.step3p7.processing_step3p7:Step3VLProcessor", (None, None),
+                      own=ProcessorSpec(tokens=("<im_patch>", "<patch_start>", "<patch_end>", "<patch_newline>",
+                                                "<im_start>", "<im_end>"),
+                                        inputs=("num_patches", "patch_pixel_values"))),
     "gemma4": Family("gemma4", ("boi_token_id", "eoi_token_id"),
                      tiny_preprocessor={"patch_size": 8, "max_soft_tokens": 16, "pooling_kernel_size": 2}),
 }
@@ -261,7 +271,12 @@ class GenericVLM(VisionAdapter):
         if self.whole_images:
             _BIDIRECTIONAL[self.family]()
         super().__init__(model, config, processor_config, tokenizer)
-        if spec.image_processor is None:
+        if spec.own is not None:
+            from mlxserve.models.chat import hf_of
+
+            self.images = ProcessorSpans(spec.processor, spec.own, config, processor_config, hf_of(tokenizer),
+                                         spec.image_processor, spec.placeholder)
+        elif spec.image_processor is None:
             self.images = image_processor(spec.processor, config, processor_config)
         else:
             from mlxserve.models.chat import hf_of

@@ -1,0 +1,105 @@
+"""Families laid out by their own processor (vlm_images.OwnLayout) whose processor is not
+shaped like Idefics3's: built on the tokenizer alone (its image handling its own: Step3's,
+DeepSeek-VL2's), giving its pixels under another name, and outputs that point into the ids
+it returns (positions of image tokens, a mask over them), which hold for the image's span
+alone and are moved to where the span sits when mlx-vlm's own pass takes a whole prompt.
+
+A family's ProcessorSpec (models/vlm_generic.py Family.own) says which of these it has."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+import numpy as np
+
+from mlxserve.models.vlm import ImageInput
+from mlxserve.models.vlm_images import OwnLayout, image_settings
+
+
+@dataclass(frozen=True)
+class ProcessorSpec:
+    # The token texts the processor reads off the tokenizer and does not add itself (tiny
+    # configs add them: models/tiny_vlm.py).
+    tokens: tuple[str, ...] = ()
+    pixels: str = "pixel_values"  # the processor's output holding the tower's input
+    inputs: tuple[str, ...] = ()  # its other outputs get_input_embeddings takes (the rest are dropped)
+    positions: tuple[str, ...] = ()  # of those, positions in its ids (negative: none)
+    masks: tuple[str, ...] = ()  # of those, masks over its ids
+
+
+def build_processor(processor: str, pc: dict, tokenizer, image_processor: str | None = None):
+    """The family's own processor ("module:Class") over `tokenizer`, with processor_config.json's
+    settings it takes, and (where it takes one) its image processor from preprocessor_config.json."""
+    from mlxserve.models.vlm_images import own_processor
+
+    if image_processor is not None:
+        return own_processor(processor, image_processor, pc, tokenizer)
+    module, name = processor.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    accepted = inspect.signature(cls.__init__).parameters
+    pc = pc or {}
+    settings = image_settings(pc) | pc.get("processor_config", {})
+    return cls(tokenizer=tokenizer, **{k: v for k, v in settings.items() if k in accepted and k != "tokenizer"})
+
+
+class ProcessorSpans(OwnLayout):
+    """OwnLayout for a processor a ProcessorSpec describes."""
+
+    def __init__(self, processor: str, spec: ProcessorSpec, config: dict, pc: dict, tokenizer,
+                 image_processor: str | None = None, placeholder: str | None = None):
+        import copy
+
+        self.spec = spec
+        self.tokenizer = copy.deepcopy(tokenizer)
+        size = len(self.tokenizer)
+        self.proc = build_processor(processor, pc, self.tokenizer, image_processor)
+        if len(self.tokenizer) != size:
+            added = self.tokenizer.convert_ids_to_tokens(list(range(size, len(self.tokenizer))))
+            raise ValueError(f"the tokenizer lacks the processor's tokens {added}")
+        missing = [t for t in spec.tokens if self.tokenizer.convert_tokens_to_ids(t) in (None, self.tokenizer.unk_token_id)]
+        if missing:
+            raise ValueError(f"the tokenizer lacks the processor's tokens {missing}")
+        self.placeholder = placeholder or self.proc.image_token
+        self._bos = self.tokenizer("")["input_ids"]
+
+    def _run(self, image) -> dict:
+        out = self.proc(text=[self.placeholder], images=[image.convert("RGB")])
+        keep = ("input_ids", self.spec.pixels, *self.spec.inputs)
+        return {k: np.asarray(out[k]) for k in keep if k in out and out[k] is not None}
+
+    def layout(self, image) -> ImageInput:
+        out = self._run(image)
+        ids = [int(t) for t in np.asarray(out.pop("input_ids")).reshape(-1)]
+        head = 1 if self._bos and ids[:1] == self._bos[:1] else 0
+        tail = 1 if len(self._bos) > 1 and ids[-1:] == self._bos[-1:] else 0
+        ids = ids[head: len(ids) - tail]
+        text = self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        if self.tokenizer(text, add_special_tokens=False)["input_ids"] != ids:
+            raise ValueError("the processor's image layout does not tokenize back to itself")
+        pixels = out.pop(self.spec.pixels)
+        for k in self.spec.positions:  # positions in the span, not in the processor's ids
+            out[k] = np.where(out[k] >= 0, out[k] - head, out[k])
+        for k in self.spec.masks:
+            out[k] = out[k].reshape(1, -1)[:, head: head + len(ids)]
+        return ImageInput(pixels, None, len(ids), ids=tuple(ids), extras=out)
+
+    def pixels(self, image) -> np.ndarray:
+        return self._run(image)[self.spec.pixels]
+
+    def prompt_kwargs(self, inp: ImageInput, start: int, length: int) -> dict:
+        """image_kwargs for mlx-vlm's own pass over a whole prompt of `length` ids, the image's
+        span at `start` (tests compare with it)."""
+        import mlx.core as mx
+
+        out = {}
+        for k, v in (inp.extras or {}).items():
+            if k in self.spec.positions:
+                v = np.where(v >= 0, v + start, v)
+            elif k in self.spec.masks:
+                whole = np.zeros((1, length), v.dtype)
+                whole[:, start: start + v.shape[1]] = v
+                v = whole
+            out[k] = mx.array(v)
+        return out
