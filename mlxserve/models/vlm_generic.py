@@ -106,6 +106,13 @@ FAMILIES = {
     # Tiles (and a thumbnail) as one run of image tokens between its marks (as text in its template).
     "internvl": Family("internvl", ("<img>", "</img>"), tiny_preprocessor={"processor_config": {"image_seq_length": 4}}),
     "internvl_chat": Family("internvl_chat", ("<img>", "</img>")),
+    # Any resolution: the whole image's rows, then its tiles' rows unpadded to the image's aspect, a
+    # newline row after each (32 px tiles of 4 tokens, a 2 x 2 grid at most).
+    "llava_onevision": Family("mlx_vlm.models.llava_onevision.processing_llava_onevision:LlavaOnevisionProcessor",
+                              (None, None), image_processor="LlavaOnevisionImageProcessorPil",
+                              tiny_preprocessor={"size": {"height": 32, "width": 32},
+                                                 "image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
+                                                 "processor_config": {"num_image_tokens": 4}}),
     # Crops and the whole image, each a run of perceiver-pooled tokens between boundary tokens.
     "idefics2": Family("mlx_vlm.models.idefics2.processing_idefics2:Idefics2Processor", (None, None),
                        image_processor="Idefics2ImageProcessorPil",
