@@ -55,7 +55,12 @@ def cmd_serve(ns) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    code = serve(models, server_cfg, pool_cfg)
+    from mlxserve.engine.distributed import init_group, serve_ranks
+
+    if init_group(engine_cfg.distributed_backend) is not None:  # one of several processes (mlx.launch)
+        code = serve_ranks(models, server_cfg, pool_cfg, serve)
+    else:
+        code = serve(models, server_cfg, pool_cfg)
     # The server has stopped and its engine thread has ended (queued disk writes included).
     # Leave without the interpreter's teardown: MLX's, after a thread used it, aborts now and
     # then with "terminate called without an active exception" (ml-explore/mlx#3126), which

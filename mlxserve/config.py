@@ -190,6 +190,20 @@ class EngineConfig:
         "--modes ...,http-process` measures both). Vision-language models too: the server's process "
         "renders their prompts and preprocesses their images, the engine's runs the tower.",
     )
+    parallel: str = setting(
+        "auto",
+        "Under mlx.launch (several processes, one model): how the model is split across them. "
+        "tensor: every layer split across the ranks (mlx-lm's model.shard()); pipeline: the layers "
+        "divided among them (mlx-lm's pipeline()); auto: tensor where mlx-lm has it for the "
+        "architecture, else pipeline. See docs/distributed.md.",
+        choices=("auto", "tensor", "pipeline"),
+    )
+    distributed_backend: str = setting(
+        "any",
+        "MLX's distributed backend under mlx.launch: any (what the launcher set up), ring (TCP), "
+        "jaccl (RDMA over Thunderbolt 5), mpi or nccl (CUDA GPUs).",
+        choices=("any", "ring", "jaccl", "mpi", "nccl"),
+    )
     admission_window_ms: float = setting(
         0.0,
         "While requests decode, a new one waits up to this long (ms) to be admitted together with "

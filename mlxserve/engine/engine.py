@@ -516,6 +516,7 @@ class AsyncEngine:
                     commands.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
+            commands = self._agree(commands)
             for kind, arg in commands:
                 if kind == "stop":
                     self._fail_all("engine stopped")
@@ -565,6 +566,11 @@ class AsyncEngine:
             self.num_waiting = len(scheduler.waiting)
             if outbox:
                 self._publish(outbox)
+
+    def _agree(self, commands: list) -> list:
+        """The commands this step applies: these. (A distributed engine's rank 0 sends them to
+        the other ranks, which apply rank 0's instead: engine/distributed.py.)"""
+        return commands
 
     def _warm_up(self) -> None:
         self.warmup.run_next()

@@ -328,7 +328,11 @@ class ModelPool:
         """(worker thread) Load the weights, start the engine, build the API's state."""
         from mlxserve.models.load import load_configured
 
-        if entry.spec.engine.engine_process:  # the child loads it; here only its tokenizer
+        from mlxserve.engine import distributed
+
+        if distributed.group() is not None:  # rank 0 of several processes (mlx.launch)
+            loaded, engine = distributed.start_rank0(entry.spec.model, entry.spec.engine)
+        elif entry.spec.engine.engine_process:  # the child loads it; here only its tokenizer
             from mlxserve.engine.process import ProcessEngine
 
             engine = ProcessEngine.launch(entry.spec.model, entry.spec.engine).start()

@@ -26,6 +26,9 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
+        # What the admission window measures time with: a distributed engine's ranks all read
+        # rank 0's clock of the step (engine/distributed.py), so they admit at the same step.
+        self.clock = time.perf_counter
 
     def has_work(self) -> bool:
         return bool(self.waiting) or len(self.runner) > 0
@@ -46,7 +49,7 @@ class Scheduler:
                 processors=make_processors(params, self.vocab_size, self.eos_token_ids),
                 stop_ids=stop_ids,
                 stop_sequences=make_stop_sequences(stop_ids),
-                queued_at=time.perf_counter(),
+                queued_at=self.clock(),
             )
         )
 
@@ -76,7 +79,7 @@ class Scheduler:
         room = self.max_num_seqs - len(self.runner)
         if len(self.waiting) >= min(room, self.runner.prefill_batch_size):
             return True
-        return time.perf_counter() - self.waiting[0].queued_at >= self.admission_window_s
+        return self.clock() - self.waiting[0].queued_at >= self.admission_window_s
 
     def step(self) -> list[TokenEvent]:
         events = []

@@ -170,13 +170,16 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
 
 
 def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int | None = None, seed: int = 0,
-                source: str | None = None):
+                source: str | None = None, sharding=None):
     """An mlx-lm model with random weights: (model, config).
 
     `config_or_shape` is a name from `SHAPES`, a config dict in mlx-lm's
     config.json format, or a path to a config.json (or a folder holding one).
     Weights are a pure function of (config, seed). `quantize_bits` (4 or 8)
     quantizes linear and embedding layers with group size 64, as mlx-lm does.
+    `sharding` (models/sharding.py): this rank's part only; a pipeline stage's weights are
+    those of the whole model's layers it keeps (they are keyed by name), so every split
+    computes what one process would.
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -203,6 +206,8 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
         model = build_vlm(config)
     else:
         model = build_text_model(config, source)
+    if sharding is not None:
+        sharding.before_weights(model, config.get("model_type", "?"))
     model.load_weights(list(init_weights(model, config, seed, getattr(mx, dtype)).items()))
     if quantize_bits:
         group_size = 64
@@ -218,6 +223,8 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
         )
         config["quantization"] = {"group_size": group_size, "bits": quantize_bits, "mode": "affine"}
         config["quantization_config"] = config["quantization"]
+    if sharding is not None:
+        sharding.after_weights(model)
     model.eval()
     mx.eval(model.parameters())
     return model, config

@@ -58,6 +58,7 @@ def load(
     quantize_bits: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    sharding=None,
 ) -> LoadedModel:
     """Load a model from a built-in name, MLX folder, .gguf file or Hugging Face repo id.
 
@@ -65,14 +66,15 @@ def load(
     `mlxserve.models.dummy.SHAPES`) or a config.json (or its folder), and the
     weights are random (`seed`). `dtype` applies to converted and dummy
     models, and casts a folder's unquantized weights when given.
-    `quantize_bits` (4 or 8) quantizes unquantized weights.
+    `quantize_bits` (4 or 8) quantizes unquantized weights. `sharding`
+    (models/sharding.py): load this rank's part of the model only.
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if quantize_bits not in (None, 4, 8):
         raise ValueError(f"quantize_bits must be 4 or 8, not {quantize_bits}")
     if load_format == "dummy":
-        return load_dummy(source or DEFAULT_DUMMY, dtype, quantize_bits, seed)
+        return load_dummy(source or DEFAULT_DUMMY, dtype, quantize_bits, seed, sharding)
     if load_format != "auto":
         raise ValueError(f"load_format must be 'auto' or 'dummy', not {load_format!r}")
 
@@ -81,7 +83,7 @@ def load(
     key = "default" if source in (None, "") else source
     if key in BUILTINS:
         folder = builtin_model_dir(key, dtype=dtype, progress=progress)
-        return load_folder(folder, served_name(source), key, None, quantize_bits)
+        return load_folder(folder, served_name(source), key, None, quantize_bits, sharding)
 
     path = Path(source).expanduser()
     if source.lower().endswith(".gguf"):
@@ -90,11 +92,11 @@ def load(
         if not path.is_file():
             raise ModelLoadError(f"{source}: no such GGUF file")
         folder = convert_gguf_cached(path, dtype=dtype or default_dtype(), progress=progress)
-        return load_folder(folder, served_name(source), source, None, quantize_bits)
+        return load_folder(folder, served_name(source), source, None, quantize_bits, sharding)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{source}: the folder has no config.json, so it is not an MLX model folder")
-        return load_folder(path, served_name(source), source, dtype, quantize_bits)
+        return load_folder(path, served_name(source), source, dtype, quantize_bits, sharding)
 
     tried = [
         f"not a folder ({path.resolve()} does not exist)",
@@ -106,12 +108,13 @@ def load(
     if source in SHAPES:
         tried.append(f"{source!r} is a dummy shape: pass load_format='dummy' (--load-format dummy) for it")
     folder = hub_download(source, tried, progress)
-    return load_folder(folder, served_name(source), source, dtype, quantize_bits)
+    return load_folder(folder, served_name(source), source, dtype, quantize_bits, sharding)
 
 
-def load_configured(m) -> LoadedModel:
+def load_configured(m, sharding=None) -> LoadedModel:
     """The model of a config.ModelConfig (a served model's settings), with its draft model."""
-    loaded = load(m.model, load_format=m.load_format, dtype=m.dtype, quantize_bits=m.quantize, seed=m.dummy_seed)
+    loaded = load(m.model, load_format=m.load_format, dtype=m.dtype, quantize_bits=m.quantize, seed=m.dummy_seed,
+                  sharding=sharding)
     if m.draft_model:  # speculative decoding's proposer, loaded the same way
         load_draft(loaded, m.draft_model, load_format=m.load_format, dtype=m.dtype, quantize_bits=m.quantize,
                    seed=m.dummy_seed)
@@ -168,7 +171,7 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
             f"({len(ours)} tokens, {differ} differ); a draft model must share the model's tokenizer")
 
 
-def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
+def load_dummy(source: str, dtype, quantize_bits, seed, sharding=None) -> LoadedModel:
     from mlxserve.models.dummy import INIT_VERSION, build_dummy, resolve_config
     from mlxserve.models.shapes import SHAPES
     from mlxserve.models.embedded import default_dtype, default_tokenizer_dir
@@ -182,7 +185,10 @@ def load_dummy(source: str, dtype, quantize_bits, seed) -> LoadedModel:
         ) from None
     dtype = dtype or default_dtype()
     preprocessor = config.get("preprocessor_config", {})
-    model, config = build_dummy(config, dtype=dtype, quantize_bits=quantize_bits, seed=seed, source=source)
+    if sharding is not None:
+        _no_vision_sharded(config, source)
+    model, config = build_dummy(config, dtype=dtype, quantize_bits=quantize_bits, seed=seed, source=source,
+                                sharding=sharding)
     blob = json.dumps(
         {"config": config, "seed": seed, "dtype": dtype, "bits": quantize_bits, "init": INIT_VERSION},
         sort_keys=True,
@@ -218,7 +224,15 @@ def default_tokenizer():
     return load_tokenizer(default_tokenizer_dir())
 
 
-def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits) -> LoadedModel:
+def _no_vision_sharded(config: dict, source: str) -> None:
+    from mlxserve.models.vlm import is_vlm_config
+
+    if is_vlm_config(config):
+        raise ModelLoadError(f"{source}: vision-language models are not served across processes yet; "
+                             "serve it on one device")
+
+
+def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits, sharding=None) -> LoadedModel:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.utils import load_model, load_tokenizer
@@ -232,7 +246,13 @@ def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits) -> L
         config = json.loads((folder / "config.json").read_text())
         if not is_vlm_config(config):
             text_model_classes(config, source)  # an unknown architecture: say so before reading weights
-        if is_vlm_config(config):
+        if sharding is not None:
+            _no_vision_sharded(config, source)
+            # Lazily: a pipeline stage never reads the layers it drops, a tensor shard only its slices.
+            model, config = load_model(folder, lazy=True)
+            sharding.before_weights(model, config.get("model_type", "?"))
+            sharding.after_weights(model)
+        elif is_vlm_config(config):
             model = load_vlm_weights(folder)
         else:
             model, config = load_model(folder)

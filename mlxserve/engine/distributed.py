@@ -1,0 +1,532 @@
+"""One model served by several processes (ranks) with MLX's own distributed engine.
+
+Started by `mlx.launch` (ring over TCP, JACCL over Thunderbolt 5, MPI, or NCCL on CUDA),
+every rank loads its part of the model through mlx-lm's own sharding
+(models/sharding.py) and runs the same engine: scheduler, runner, prefix cache
+bookkeeping and samplers, step for step. Rank 0 alone serves HTTP, tokenizes and
+detokenizes. Before each step it sends the other ranks the step's plan: the
+commands its engine applies (adds with token ids and sampling settings, aborts,
+named operations, stop) and its clock (what the admission window measures). Given
+the same plan, the ranks make the same decisions and, as a sharded model's ranks
+compute the same logits (its partial sums are added with `all_sum`), sample the same
+tokens: a request runs exactly as on one device.
+
+What could differ between the ranks is decided once for all of them: a request's
+seed (drawn on rank 0 when it names none), the admission clock, the KV memory budget
+(the tightest rank's), and what the disk tier holds (each rank's writer thread runs at
+its own pace: a block counts as on disk only where every rank has it, `AgreedDisk`).
+Each rank keeps the blocks of its own part of the model under the same block hashes,
+its disk tier in a folder of its own.
+
+A rank that dies breaks the next collective (the ring backend raises): rank 0 then
+fails its requests as the engine being dead (HTTP 503) and /health says why. A rank
+that hangs holds rank 0's step, which the watchdog (--step-timeout) reports as stalled
+(503 too). Collectives run on the engine thread's generation stream, in the same order
+as the model's own, so they never interleave differently on different ranks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pickle
+import queue
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mlxserve.engine.engine import AsyncEngine, EngineDeadError
+
+log = logging.getLogger("mlxserve.distributed")
+
+# Environment variables that mlx.launch (or mpirun) sets for the processes it starts.
+LAUNCH_ENV = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "MLX_IBV_DEVICES", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+# The step plan travels in a fixed buffer of this many bytes (one collective a step); a plan
+# that is larger (a long prompt's token ids) sends the rest in a second one.
+PLAN_BYTES = 1024
+_HEADER = 4  # the plan's length, little-endian, at the buffer's start
+
+_group = None  # this process's group once init_group() found more than one rank
+
+
+class RankMismatch(ValueError):
+    """The ranks did not load the same model with the same settings and versions."""
+
+
+def launched() -> bool:
+    """Whether a launcher started this process as one of several."""
+    return any(os.environ.get(name) for name in LAUNCH_ENV)
+
+
+def init_group(backend: str = "any"):
+    """The distributed group of this process when mlx.launch started several, else None."""
+    global _group
+    if _group is None and launched():
+        import mlx.core as mx
+
+        group = mx.distributed.init(strict=True, backend=backend)
+        _group = group if group.size() > 1 else None
+    return _group
+
+
+def group():
+    """The group init_group() found, or None (one process)."""
+    return _group
+
+
+# ---- collectives (the MLX thread's generation stream once the engine runs) ----
+
+def _stream():
+    from mlx_lm.generate import generation_stream
+
+    return generation_stream
+
+
+def _all(op: str, values, dtype="int64", stream=None) -> np.ndarray:
+    import mlx.core as mx
+
+    x = mx.array(np.asarray(values), dtype=getattr(mx, dtype))
+    out = getattr(mx.distributed, op)(x, group=_group, stream=stream)
+    mx.eval(out)
+    return np.array(out)
+
+
+def all_min(flags, stream=None) -> np.ndarray:
+    return _all("all_min", flags, "int32", stream)
+
+
+def all_max(values, stream=None) -> np.ndarray:
+    return _all("all_max", values, "int64", stream)
+
+
+def gather(obj, stream=None) -> list:
+    """Every rank's `obj` (picklable), in rank order, on every rank."""
+    import mlx.core as mx
+
+    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    sizes = _all("all_gather", [len(data)], "int64", stream)
+    buf = np.zeros(int(sizes.max()), np.uint8)
+    buf[: len(data)] = data
+    rows = mx.distributed.all_gather(mx.array(buf)[None], group=_group, stream=stream)
+    rows = np.array(rows)
+    return [pickle.loads(rows[r, : int(n)].tobytes()) for r, n in enumerate(sizes)]
+
+
+def share(obj, rank: int, stream=None):
+    """Rank 0's `obj`, on every rank (the others pass None)."""
+    import mlx.core as mx
+
+    data = pickle.dumps(obj) if rank == 0 else b""
+    head = np.zeros(PLAN_BYTES, np.uint8)
+    if rank == 0:
+        head[:_HEADER] = np.frombuffer(len(data).to_bytes(_HEADER, "little"), np.uint8)
+        first = data[: PLAN_BYTES - _HEADER]
+        head[_HEADER: _HEADER + len(first)] = np.frombuffer(first, np.uint8)
+    head = _all("all_sum", head, "uint8", stream)
+    n = int.from_bytes(head[:_HEADER].tobytes(), "little")
+    body = head[_HEADER: _HEADER + n].tobytes()
+    rest = n - len(body)
+    if rest > 0:  # a plan past the fixed buffer: the rest in one more collective
+        tail = np.frombuffer(data[len(body):], np.uint8) if rank == 0 else np.zeros(rest, np.uint8)
+        body += _all("all_sum", tail, "uint8", stream).tobytes()
+    return pickle.loads(body) if rank != 0 else obj
+
+
+# ---- loading and start-up checks ----
+
+def model_identity(loaded) -> str:
+    """What identifies the weights on every machine alike: the dummy model's fingerprint (a hash
+    of its config and seed), or a folder's config and weight files' names, sizes and headers
+    (its fingerprint hashes modification times, which differ between copies on two machines)."""
+    folder = loaded.tokenizer_dir
+    if not loaded.fingerprint or folder is None or not any(Path(folder).glob("*.safetensors")):
+        return loaded.fingerprint
+    h = hashlib.sha256((Path(folder) / "config.json").read_bytes())
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(f"\0{path.name}\0{path.stat().st_size}\0".encode() + f.read(min(header_len, 100_000_000)))
+    return h.hexdigest()
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for p in ("mlxserve", "mlx", "mlx-lm"):
+        try:
+            out[p] = version(p)
+        except PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def _facts(model_cfg, engine_cfg, loaded, sharding) -> dict:
+    engine = dataclasses.asdict(engine_cfg)
+    engine.pop("disk_cache_dir", None)  # each rank's own folder (a path per machine)
+    return {"versions": _versions(), "model": dataclasses.asdict(model_cfg), "engine": engine,
+            "weights": model_identity(loaded) if loaded is not None else None,
+            "parallel": sharding.mode, "ranks": sharding.size}
+
+
+def check_ranks(reports: list[dict]) -> None:
+    """Raise RankMismatch naming what differs, if any rank failed to load or differs from rank 0."""
+    failed = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if rep.get("error")]
+    if failed:
+        raise RankMismatch("the model failed to load on " + "; ".join(failed))
+    diffs = []
+
+    def walk(a, b, path, r):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k), b.get(k), f"{path}.{k}" if path else k, r)
+        elif a != b:
+            diffs.append(f"{path}: rank 0 has {a!r}, rank {r} has {b!r}")
+
+    for r, rep in enumerate(reports[1:], 1):
+        walk(reports[0]["facts"], rep["facts"], "", r)
+    if diffs:
+        raise RankMismatch("the ranks differ, so they cannot serve one model together: " + "; ".join(diffs))
+
+
+def load_rank(model_cfg, engine_cfg):
+    """Load this rank's part of the model, check every rank loaded the same, and return it
+    (every rank calls this at start, together). Raises RankMismatch or the load's error."""
+    from mlxserve.models.load import load_configured
+    from mlxserve.models.sharding import Sharding
+
+    sharding = Sharding(_group, engine_cfg.parallel)
+    loaded, error = None, None
+    try:
+        if model_cfg.draft_model or engine_cfg.speculative:
+            raise ValueError("speculative decoding is not served across processes: drop --draft-model/--speculative")
+        if engine_cfg.engine_process:
+            raise ValueError("--engine-process does not combine with serving across processes")
+        loaded = load_configured(model_cfg, sharding=sharding)
+    except Exception as e:  # noqa: BLE001 - reported by every rank, below
+        error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    reports = gather({"error": error, "facts": _facts(model_cfg, engine_cfg, loaded, sharding)})
+    check_ranks(reports)
+    # Block hashes must be the same on every rank: the weights' identity, not a folder's mtimes,
+    # and the split (blocks of another split hold other slices of the KV).
+    loaded.fingerprint = hashlib.sha256(
+        f"{model_identity(loaded)}/{sharding.mode}{sharding.size}".encode()).hexdigest()
+    log.info("rank %d: %s", sharding.rank, sharding.describe())
+    return loaded, sharding
+
+
+# ---- the engine ----
+
+class _NoInbox:
+    """A worker rank's command queue: nothing arrives here (its commands are rank 0's plans),
+    so the loop never waits on it and goes straight to the next plan."""
+
+    def put(self, item):
+        pass
+
+    def get(self, timeout=None):
+        raise queue.Empty
+
+    def get_nowait(self):
+        raise queue.Empty
+
+    def empty(self) -> bool:
+        return True
+
+
+class DistributedEngine(AsyncEngine):
+    """An AsyncEngine that runs its steps on every rank: rank 0's takes requests and sends each
+    step's plan; the others' (`run_worker`) apply the plans they receive."""
+
+    def __init__(self, loaded, config, sharding):
+        from mlxserve.config import with_backend_defaults
+
+        self.sharding = sharding
+        self.rank = sharding.rank
+        config = with_backend_defaults(config)
+        if config.warmup:  # its phases run when the engine idles: a time no two ranks share
+            log.info("the warm-up is off across processes (it runs while idle, which the ranks time apart)")
+        changes = {"warmup": 0.0, "speculative": None}
+        if config.disk_cache_dir:  # each rank's blocks hold its own slice of the KV
+            changes["disk_cache_dir"] = str(Path(config.disk_cache_dir).expanduser()
+                                             / f"rank{self.rank}-of-{sharding.size}")
+        super().__init__(loaded, dataclasses.replace(config, **changes))
+        self._plan_now = time.perf_counter()
+        self._llg = None
+        if self.rank != 0:
+            self._commands = _NoInbox()
+
+    # ---- caller side ----
+    def call(self, fn):
+        raise TypeError("a distributed engine runs its operations by name on every rank: use on_mlx_thread()")
+
+    async def on_mlx_thread(self, method: str, *args):
+        import asyncio
+
+        self.method(method)  # AttributeError now for a wrong name, not on every rank
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(EngineDeadError(self.fatal_error or "engine is not running"))
+        elif self.watchdog.stalled:
+            future.set_exception(self._stalled_error())
+        else:
+            self._commands.put(("named", (method, args, future)))
+        return await asyncio.wrap_future(future)
+
+    def health(self) -> dict:
+        out = super().health()
+        out["distributed"] = {"ranks": self.sharding.size, "parallel": self.sharding.mode}
+        return out
+
+    # ---- MLX thread ----
+    def _setup(self):
+        scheduler = super()._setup()
+        scheduler.clock = lambda: self._plan_now  # rank 0's clock of this step, on every rank
+        scheduler.step = self._guarded(scheduler.step)
+        stream = _stream()
+        self._agree_kv_budget(scheduler, stream)
+        pc = self.prefix_cache
+        if pc is not None and pc.disk is not None:
+            pc.disk = AgreedDisk(pc.disk, stream)
+        if pc is not None and self.sharding.mode == "pipeline":
+            # A stage's blocks hold its own layers' KV, which may weigh more or less than another
+            # stage's: every rank counts a block at the heaviest stage's bytes, so the pools evict alike.
+            pc.pool._sizeof = _agreed_size(pc.pool._sizeof, stream)
+        disabled = gather(bool(pc is not None and pc.disabled), stream)
+        if pc is not None and any(disabled) and not pc.disabled:
+            pc._disable("another rank cannot cache its part of the model")
+        return scheduler
+
+    def _agree_kv_budget(self, scheduler, stream) -> None:
+        """Every rank admits by the rank with the least room (its footprint and budget)."""
+        budgets = gather(self.kv_budget, stream)
+        if any(b is None for b in budgets):
+            chosen = None
+        else:
+            chosen = min(budgets, key=lambda b: b.footprint.most_tokens(b.budget, 1 << 24))
+        self.kv_budget = scheduler.kv_budget = chosen
+
+    def _guarded(self, step):
+        def guarded():
+            try:
+                return step()
+            except Exception as e:  # noqa: BLE001
+                # The same failure on every rank (a request's bad setting): fail the batch, as one
+                # device would. A lost rank (the collective raises too) or a failure here alone: fatal.
+                try:
+                    everywhere = int(all_min([1], _stream())[0]) == 1
+                except Exception:  # noqa: BLE001
+                    everywhere = False
+                if everywhere:
+                    raise
+                self._lost(f"a rank failed during an engine step: {e}")
+                return []
+        return guarded
+
+    def _lost(self, message: str) -> None:
+        if self.fatal_error is None:
+            self.fatal_error = message
+            log.error("%s", message)
+        self._fail_all(message, EngineDeadError)
+
+    def _agree(self, commands: list) -> list:
+        if self.fatal_error is not None:
+            return [("stop", None)]
+        if self.rank == 0:
+            plan, local = [], []
+            for kind, arg in commands:
+                if kind == "named":
+                    method, args, future = arg
+                    local.append(("call", (self._named(method, args, future), concurrent.futures.Future())))
+                    plan.append(("named", (method, args)))
+                    continue
+                local.append((kind, arg))
+                if kind == "add":
+                    request, max_tokens = arg
+                    if request.params.seed is None:  # drawn once, here: every rank samples alike
+                        request.params.seed = int.from_bytes(os.urandom(8), "little")
+                    arg = (_portable(request), max_tokens)
+                plan.append((kind, arg))
+            payload = (time.perf_counter(), plan)
+        else:
+            payload = None
+        wd = self.watchdog
+        last = wd.last_step_s
+        wd.begin()  # a rank that hangs holds this too: the watchdog then fails the requests
+        try:
+            now, plan = share(payload, self.rank, _stream())
+        except Exception as e:  # noqa: BLE001 - the ring backend raises when a peer is gone
+            self._lost(f"lost contact with the other ranks: {e}")
+            return [("stop", None)]
+        finally:
+            wd.end()
+            wd.last_step_s = last
+        self._plan_now = now
+        if self.rank == 0:
+            return local
+        return [self._received(kind, arg) for kind, arg in plan]
+
+    def _named(self, method: str, args, future: concurrent.futures.Future):
+        fn = self.method(method)
+
+        def run():  # runs on every rank whatever the caller does with its future
+            try:
+                result = fn(*args)
+            except Exception as e:  # noqa: BLE001 - the caller's
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(e)
+                return None
+            if future.set_running_or_notify_cancel():
+                future.set_result(result)
+            return result
+        return run
+
+    def _received(self, kind: str, arg):
+        if kind == "named":
+            method, args = arg
+            fn = self.method(method)
+            return "call", (lambda: fn(*args), concurrent.futures.Future())
+        if kind == "add":
+            request, max_tokens = arg
+            if request.params.grammar_text is not None:
+                request.params.grammar = self._matcher(request.params.grammar_text)
+            return "add", (request, max_tokens)
+        return kind, arg
+
+    def _matcher(self, grammar: str):
+        from llguidance import LLMatcher
+
+        from mlxserve.engine.grammar import llg_tokenizer
+
+        if self._llg is None:
+            self._llg = llg_tokenizer(self.tokenizer, self.loaded.vocab_size)
+        return LLMatcher(self._llg, grammar, log_level=0)
+
+    def _cache_stats(self) -> dict:
+        """Rank 0's counters (every rank's are the same: they decide alike) with the bytes held
+        summed over the ranks, and each rank's own numbers under `distributed`."""
+        mine = super()._cache_stats()
+        every = gather(mine, _stream())
+        if self.rank != 0:
+            return mine
+        out = json.loads(json.dumps(every[0]))
+        for other in every[1:]:
+            _add_bytes(out, other)
+        out["distributed"] = {"ranks": self.sharding.size, "parallel": self.sharding.mode,
+                              "per_rank": [_rank_summary(s) for s in every]}
+        return out
+
+
+def _portable(request):
+    """The request as the plan carries it: its llguidance matcher (no pickle) rebuilt from text."""
+    if request.params.grammar is None:
+        return request
+    return dataclasses.replace(request, params=dataclasses.replace(request.params, grammar=None))
+
+
+def _add_bytes(out: dict, other: dict) -> None:
+    """Sum into `out` the byte counts of `other` (the same structure)."""
+    for key, value in out.items():
+        theirs = other.get(key) if isinstance(other, dict) else None
+        if isinstance(value, dict) and isinstance(theirs, dict):
+            _add_bytes(value, theirs)
+        elif ("bytes" in key or key in ("active", "cache", "peak")) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and isinstance(theirs, (int, float)):
+            out[key] = value + theirs
+
+
+def _rank_summary(stats: dict) -> dict:
+    pc = stats.get("prefix_cache", {})
+    keep = ("blocks", "bytes", "tokens", "hits", "queries", "hit_tokens")
+    out = {k: pc.get(k) for k in keep if k in pc}
+    if isinstance(pc.get("disk"), dict):
+        out["disk"] = {k: pc["disk"].get(k) for k in ("files", "bytes", "reads", "writes") if k in pc["disk"]}
+    return out
+
+
+def _agreed_size(sizeof, stream):
+    def agreed(payload) -> int:
+        return int(all_max([sizeof(payload)], stream)[0])
+    return agreed
+
+
+class AgreedDisk:
+    """A DiskTier whose answers about what it holds are every rank's: a block is on disk, and
+    read back, only where every rank has it (each rank's writer thread runs at its own pace, so
+    one may not have written yet what another has). Everything else is the rank's own tier."""
+
+    def __init__(self, disk, stream):
+        self._disk = disk
+        self._stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self._disk, name)
+
+    def _everywhere(self, flags) -> list[bool]:
+        return [bool(f) for f in all_min([int(bool(f)) for f in flags], self._stream)] if flags else []
+
+    def __contains__(self, key: bytes) -> bool:
+        return self._everywhere([key in self._disk])[0]
+
+    def children(self, parent, limit: int) -> list[bytes]:
+        keys = share(self._disk.children(parent, limit) if _rank() == 0 else None, _rank(), self._stream)
+        held = self._everywhere([k in self._disk for k in keys])
+        return [k for k, ok in zip(keys, held) if ok]
+
+    def peek(self, key: bytes):
+        got = self._disk.peek(key)
+        return got if self._everywhere([got is not None])[0] else None
+
+    def load(self, key: bytes):
+        got = self._disk.load(key)
+        return got if self._everywhere([got is not None])[0] else None
+
+
+def _rank() -> int:
+    return _group.rank() if _group is not None else 0
+
+
+# ---- the ranks past 0 ----
+
+def run_worker(model_cfg, engine_cfg) -> int:
+    """A rank past 0: load its part, run the engine on rank 0's plans until rank 0 stops (0) or
+    is lost (1). It serves nothing itself."""
+    loaded, sharding = load_rank(model_cfg, engine_cfg)
+    engine = DistributedEngine(loaded, engine_cfg, sharding).start()
+    engine._thread.join()
+    if engine.fatal_error:
+        log.error("rank %d stops: %s", sharding.rank, engine.fatal_error.strip().splitlines()[0])
+        return 1
+    return 0
+
+
+def start_rank0(model_cfg, engine_cfg):
+    """Rank 0's model and engine (the server's model pool calls this)."""
+    loaded, sharding = load_rank(model_cfg, engine_cfg)
+    return loaded, DistributedEngine(loaded, engine_cfg, sharding).start()
+
+
+def serve_ranks(models, server_cfg, pool_cfg, serve) -> int:
+    """`mlxserve serve` in one of several processes: rank 0 serves HTTP (`serve`), the others
+    run the engine's steps with it. Returns the process's exit code."""
+    rank = _group.rank()
+    logging.basicConfig(level=server_cfg.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    if len(models) != 1:
+        log.error("serving across processes takes one model; %d were named", len(models))
+        return 2
+    if pool_cfg.model_ttl is not None:
+        log.error("--model-ttl: a model served across processes stays loaded (every rank holds a part)")
+        return 2
+    if rank == 0:
+        return serve(models, server_cfg, pool_cfg)
+    try:
+        return run_worker(models[0].model, models[0].engine)
+    except ValueError as e:  # RankMismatch, a bad setting or model: said on rank 0 too
+        log.error("%s", e)
+        return 2
