@@ -189,6 +189,9 @@ OVERRIDES: dict[str, dict] = {
     "llava_onevision": {"image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
                         "vision_config": {"image_size": 32, "model_type": "siglip_vision_model"}},
     "mage_vl": {"vision_config": {"hidden_size": 2 * VISION_WIDTH}},  # its tower's heads: a multiple of 32 wide
+    # Its text model is MiMo-V2-Flash's (mlx-lm's tiny layout: sliding and full layers, MoE after the first).
+    "mimo_v2": {"text_config": {"hybrid_layer_pattern": [1, 0, 1, 0], "moe_layer_freq": [0, 1, 1, 1],
+                                "partial_rotary_factor": 1}},
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
     # The processor's fixed sizes: a 728 px image, 14 px patches, downsampled 4x a side to 13 x 13 tokens.

@@ -156,7 +156,6 @@ VLM_REFUSED: dict[str, str] = {
     "llmjpvl": NOT_YET.format(what="no adapter for its processor"),
     "locateanything": NOT_YET.format(what="it predicts several future tokens per step (box coordinates) through "
                                           "its own decoding loop"),
-    "mimo_v2": AUDIO,
     "minicpmo": AUDIO,
     "minicpmv4_6": TILES,
     "minicpmv4_7": TILES,

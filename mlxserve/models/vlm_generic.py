@@ -81,6 +81,8 @@ FAMILIES = {
     # dots.ocr: its template's image marks are plain text, not ids in its config.
     "dots_ocr": Family("Qwen2VLImageProcessorPil", ("<|img|>", "<|endofimg|>"), tiny_preprocessor=QWEN_TINY),
     "indic_ocr": QWEN3,  # Qwen3.5 with an Indic vocabulary
+    # MiMo-V2.6 (omni: its audio tower is not served): Qwen2.5-VL's image layout, one (1, h, w) grid an image.
+    "mimo_v2": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY),
     "mage_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"),  # one frame a patch
                       tiny_preprocessor=QWEN_TINY | {"temporal_patch_size": 1}),
     "paddleocr_vl": Family("mlx_vlm.models.paddleocr_vl.processing_paddleocr_vl:ImageProcessor",
