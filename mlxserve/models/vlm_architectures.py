@@ -152,7 +152,6 @@ VLM_REFUSED: dict[str, str] = {
     "inkling": AUDIO,
     "jina_vlm": TILES,
     "llava_bunny": NOT_YET.format(what="no adapter for its SigLIP processor and its -200 image index"),
-    "llava_next": ANYRES,
     "llmjpvl": NOT_YET.format(what="no adapter for its processor"),
     "locateanything": NOT_YET.format(what="it predicts several future tokens per step (box coordinates) through "
                                           "its own decoding loop"),

@@ -35,6 +35,7 @@ import numpy as np
 
 from mlxserve.models.vlm import ImageInput, VisionAdapter
 from mlxserve.models.vlm_images import VIDEOS, OwnLayout, image_processor
+from mlxserve.models.vlm_layouts import MODEL_FIXES
 from mlxserve.models.vlm_spans import ProcessorSpans, ProcessorSpec
 
 
@@ -106,8 +107,17 @@ FAMILIES = {
                                             "max_patches": 4, "processor_config": {
                                                 "img_size": 64, "patch_size": 16, "downsample_factor": 2}}),
     # Tiles (and a thumbnail) as one run of image tokens between its marks (as text in its template).
-    "internvl": Family("internvl", ("<img>", "</img>"), tiny_preprocessor={"processor_config": {"image_seq_length": 4}}),
+    "internvl": Family("internvl", ("<img>", "</img>"),
+                       tiny_preprocessor={"processor_config": {"image_seq_length": 4}}),
     "internvl_chat": Family("internvl_chat", ("<img>", "</img>")),
+    # LLaVA-NeXT's any resolution, as OneVision's without its downscale (vlm_layouts.anyres_merge
+    # mends mlx-vlm's merge): 32 px tiles of 4 tokens, a 2 x 2 grid at most.
+    "llava_next": Family("mlx_vlm.models.llava_next.processing_llava_next:LlavaNextProcessor", (None, None),
+                         image_processor="LlavaNextImageProcessorPil",
+                         tiny_preprocessor={"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32},
+                                            "image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
+                                            "processor_config": {"patch_size": 16, "num_additional_image_tokens": 1,
+                                                                 "vision_feature_select_strategy": "default"}}),
     # Any resolution: the whole image's rows, then its tiles' rows unpadded to the image's aspect, a
     # newline row after each (32 px tiles of 4 tokens, a 2 x 2 grid at most).
     "llava_onevision": Family("mlx_vlm.models.llava_onevision.processing_llava_onevision:LlavaOnevisionProcessor",
@@ -292,6 +302,8 @@ class GenericVLM(VisionAdapter):
 
             self.images = OwnLayout(spec.processor, spec.image_processor, config, processor_config,
                                     hf_of(tokenizer), spec.placeholder)
+        if self.family in MODEL_FIXES:  # mlx-vlm's model mended (models/vlm_layouts.py)
+            MODEL_FIXES[self.family](model, self.images)
         self.image_token_id = self._token_id(config, spec.image_token)
         self._wrap = (self._wrap_text(config, spec.wrap[0]), self.token_text(self.image_token_id),
                       self._wrap_text(config, spec.wrap[1]))

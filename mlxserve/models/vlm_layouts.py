@@ -70,3 +70,76 @@ class InternVLTiles:
     @staticmethod
     def image_kwargs(inp: ImageInput) -> dict:
         return {}
+
+
+def anyres_merge(model, images) -> None:
+    """Mend mlx-vlm 0.7.10's LLaVA-NeXT merge (Granite Vision's is a copy of it).
+
+    Its get_input_embeddings puts one tile's rows in place of each of the first image tokens,
+    then as many rows of image_newline, and drops the other image tokens: the rows it gives are
+    not the image tokens its processor lays out (a tiny 5-tile image: 40 rows for 24 tokens), so
+    the prompt's length changes under it. Here an image's rows are packed as transformers'
+    LLaVA-NeXT packs them, which is what its processor counts: the whole image's rows, then the
+    tiles' rows as one grid unpadded to the image's aspect, a newline row ending each row of it;
+    they fill the image tokens one to one. The tile grid is the processor's own
+    (`image_grid_pinpoints` of preprocessor_config.json), as the processor picks it.
+    """
+    import types
+
+    original = model.get_input_embeddings
+    pinpoints = images.proc.image_processor.image_grid_pinpoints
+
+    def get_input_embeddings(self, input_ids=None, pixel_values=None, **kwargs):
+        import mlx.core as mx
+        from mlx_vlm.models.base import InputEmbeddingsFeatures
+
+        if pixel_values is None:
+            return original(input_ids, None, **kwargs)
+        embeds = self.language_model.model.embed_tokens(input_ids)
+        sizes = np.asarray(kwargs["image_sizes"]).reshape(-1, 2).tolist()
+        tiles = pixel_values if pixel_values.ndim == 5 else pixel_values[None]
+        rows = mx.concatenate([_anyres_rows(self, tiles[i], size, pinpoints) for i, size in enumerate(sizes)])
+        mask = input_ids == self.config.image_token_index
+        if int(mask.sum().item()) != rows.shape[0]:
+            raise ValueError(f"image tokens {int(mask.sum().item())} and image rows {rows.shape[0]} do not match")
+        at = mx.clip(mx.cumsum(mask.reshape(-1).astype(mx.int32)) - 1, 0, rows.shape[0] - 1).reshape(mask.shape)
+        return InputEmbeddingsFeatures(inputs_embeds=mx.where(mask[..., None], rows.astype(embeds.dtype)[at], embeds))
+
+    get_input_embeddings.mlxserve = True
+    model.get_input_embeddings = types.MethodType(get_input_embeddings, model)
+
+
+def _anyres_rows(model, tiles, size, pinpoints):
+    """One image's rows: its tiles (the whole image first) through the tower, the feature layer(s)
+    and projector, packed as transformers' LlavaNextModel.pack_image_features packs them."""
+    import mlx.core as mx
+    from transformers.image_processing_utils import select_best_resolution
+
+    cfg, vc = model.config, model.config.vision_config
+    *_, hidden = model.vision_tower(tiles.transpose(0, 2, 3, 1), output_hidden_states=True)
+    layer = cfg.vision_feature_layer
+    feats = hidden[layer] if isinstance(layer, int) else mx.concatenate([hidden[i] for i in layer], axis=-1)
+    if cfg.vision_feature_select_strategy == "default":
+        feats = feats[:, 1:]  # the CLS row
+    feats = model.multi_modal_projector(feats)
+    newline = model.image_newline.astype(feats.dtype)
+    if feats.shape[0] == 1:
+        return mx.concatenate([feats[0], newline[None]])
+    side, dim = vc.image_size // vc.patch_size, feats.shape[-1]
+    height, width = (x // vc.image_size for x in select_best_resolution(size, pinpoints))
+    grid = feats[1 : 1 + height * width].reshape(height, width, side, side, dim)
+    grid = grid.transpose(0, 2, 1, 3, 4).reshape(height * side, width * side, dim)
+    # Unpadded to the image's aspect, rounded as the processor counts it.
+    (h, w), (gh, gw) = size, grid.shape[:2]
+    if w / h > gw / gh:
+        pad = (gh - int(round(h * (gw / w), 7))) // 2
+        grid = grid[pad : gh - pad]
+    else:
+        pad = (gw - int(round(w * (gh / h), 7))) // 2
+        grid = grid[:, pad : gw - pad]
+    grid = mx.concatenate([grid, mx.broadcast_to(newline, (grid.shape[0], 1, dim))], axis=1)
+    return mx.concatenate([feats[0], grid.reshape(-1, dim)])
+
+
+# Mends of mlx-vlm models, by model type: each given the model and its adapter's image processor.
+MODEL_FIXES = {"llava_next": anyres_merge, "granite_vision": anyres_merge}
