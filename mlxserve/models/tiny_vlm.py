@@ -185,6 +185,8 @@ OVERRIDES: dict[str, dict] = {
     # 64 px tiles of 4 tokens (16 patches, shuffled 2x2), at most 4 tiles and a thumbnail.
     "internvl": {"max_dynamic_patch": 4},
     "internvl_chat": {"max_dynamic_patch": 4, "vision_config": {"model_type": "intern_vit_6b"}},
+    "granite_vision": {"image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
+                       "vision_feature_layer": [-2, -1], "vision_config": {"image_size": 32}},
     "llava_next": {"image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
                    "text_config": {"model_type": "llama"},  # its language model takes Llama's only
                    "vision_config": {"image_size": 32, "model_type": "clip_vision_model"}},

@@ -147,7 +147,6 @@ VLM_REFUSED: dict[str, str] = {
                                      "(PoolingCache), which mlx-lm cannot batch and the prefix cache cannot hold"),
     "got": NOT_YET.format(what="no adapter for GOT-OCR2's processor and image tags"),
     "granite4_vision": ANYRES,
-    "granite_vision": ANYRES,
     "hunyuan_vl": TILES,
     "inkling": AUDIO,
     "jina_vlm": TILES,

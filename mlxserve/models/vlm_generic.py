@@ -110,6 +110,13 @@ FAMILIES = {
     "internvl": Family("internvl", ("<img>", "</img>"),
                        tiny_preprocessor={"processor_config": {"image_seq_length": 4}}),
     "internvl_chat": Family("internvl_chat", ("<img>", "</img>")),
+    # LLaVA-NeXT's layout and merge (mended alike), its features from several tower layers.
+    "granite_vision": Family("mlx_vlm.models.granite_vision.processing_granite_vision:GraniteVisionProcessor",
+                             (None, None), image_processor="LlavaNextImageProcessorPil",
+                             tiny_preprocessor={"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32},
+                                                "image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
+                                                "processor_config": {"patch_size": 16,
+                                                                     "vision_feature_select_strategy": "full"}}),
     # LLaVA-NeXT's any resolution, as OneVision's without its downscale (vlm_layouts.anyres_merge
     # mends mlx-vlm's merge): 32 px tiles of 4 tokens, a 2 x 2 grid at most.
     "llava_next": Family("mlx_vlm.models.llava_next.processing_llava_next:LlavaNextProcessor", (None, None),
