@@ -185,6 +185,9 @@ OVERRIDES: dict[str, dict] = {
     # 64 px tiles of 4 tokens (16 patches, shuffled 2x2), at most 4 tiles and a thumbnail.
     "internvl": {"max_dynamic_patch": 4},
     "internvl_chat": {"max_dynamic_patch": 4, "vision_config": {"model_type": "intern_vit_6b"}},
+    # A 128 px input: 8 x 8 patches in windows of 4, 2 x 2 tokens after its two stride-2 convolutions.
+    "got": {"vision_config": {"img_size": 128, "out_chans": 16, "out_dim": VISION_WIDTH, "window_size": 4,
+                              "global_attn_indexes": [1]}},
     "granite_vision": {"image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
                        "vision_feature_layer": [-2, -1], "vision_config": {"image_size": 32}},
     "llava_next": {"image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],

@@ -145,7 +145,6 @@ VLM_REFUSED: dict[str, str] = {
     "florence2": ENCODER_DECODER,
     "glm5_next": NOT_YET.format(what="its sparse attention's indexer keeps pooled keys in its own cache class "
                                      "(PoolingCache), which mlx-lm cannot batch and the prefix cache cannot hold"),
-    "got": NOT_YET.format(what="no adapter for GOT-OCR2's processor and image tags"),
     "granite4_vision": ANYRES,
     "hunyuan_vl": TILES,
     "inkling": AUDIO,

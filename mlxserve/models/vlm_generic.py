@@ -76,6 +76,8 @@ FAMILIES = {
     "qwen3_5": QWEN3,
     "qwen3_5_moe": QWEN3,
     "glm4v": GLM4V,
+    # GOT-OCR 2.0: one square tower input, its image tags' ids in the config (<img>, </img>, <imgpad>).
+    "got": Family("got", ("im_start_token", "im_end_token"), image_token=("im_patch_token",)),
     "glm4v_moe": GLM4V,
     "glm_ocr": Family("Glm4vImageProcessorPil", ("image_start_token_id", "image_end_token_id"),
                       tiny_preprocessor=QWEN_TINY),

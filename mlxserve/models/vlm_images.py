@@ -14,7 +14,7 @@ from functools import partial
 import numpy as np
 
 from mlxserve.models.vlm import ImageInput, video_groups
-from mlxserve.models.vlm_layouts import InternVLTiles
+from mlxserve.models.vlm_layouts import GotImages, InternVLTiles
 
 
 def qwen_image_processor(config: dict, pc: dict):
@@ -291,6 +291,7 @@ PROCESSORS = {
     "kimi_k25": partial(KimiImages, "mlx_vlm.models.kimi_k25.processing_kimi_k25:KimiK25ImageProcessor"),
     # Several tower inputs an image (models/vlm_layouts.py)
     "internvl": partial(InternVLTiles, chat=False), "internvl_chat": partial(InternVLTiles, chat=True),
+    "got": GotImages,
 }
 
 

@@ -72,6 +72,30 @@ class InternVLTiles:
         return {}
 
 
+class GotImages:
+    """GOT-OCR 2.0: the image resized to the tower's square input (mlx-vlm's GotOcrImageProcessor,
+    numpy), a fixed run of tokens: its patch grid after the tower's two stride-2 convolutions."""
+
+    def __init__(self, config: dict, pc: dict):
+        from mlx_vlm.models.got.processing_got import GotOcrImageProcessor
+
+        vc = config.get("vision_config") or {}
+        size = vc.get("img_size", 1024)
+        self.proc = GotOcrImageProcessor(image_size=size, **{k: v for k, v in (pc or {}).items()
+                                                             if k in ("image_mean", "image_std")})
+        self.tokens = (size // vc.get("patch_size", 16) // 4) ** 2  # 256 at 1024 px
+
+    def layout(self, image) -> ImageInput:
+        return ImageInput(None, None, self.tokens)
+
+    def pixels(self, image) -> np.ndarray:
+        return np.asarray(self.proc([image])["pixel_values"])
+
+    @staticmethod
+    def image_kwargs(inp: ImageInput) -> dict:
+        return {}
+
+
 def anyres_merge(model, images) -> None:
     """Mend mlx-vlm 0.7.10's LLaVA-NeXT merge (Granite Vision's is a copy of it).
 
