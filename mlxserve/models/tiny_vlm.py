@@ -149,7 +149,9 @@ def _processor_spans_tokens(config: dict, family) -> None:
     size = len(tokenizer)
     tokenizer.add_special_tokens({"additional_special_tokens": list(family.own.tokens)})
     proc = build_processor(family.processor, config["preprocessor_config"], tokenizer, family.image_processor)
-    config["added_tokens"] = tokenizer.convert_ids_to_tokens(list(range(size, len(tokenizer))))
+    # Those the vocabulary has as plain text (MiniCPM-o's <unk>) too: made special, each is one token.
+    added = tokenizer.convert_ids_to_tokens(list(range(size, len(tokenizer))))
+    config["added_tokens"] = list(dict.fromkeys([*family.own.tokens, *added]))
     image = getattr(proc, "image_token_id", None)
     if not isinstance(image, int):
         image = tokenizer.convert_tokens_to_ids(family.placeholder or proc.image_token)
@@ -200,6 +202,9 @@ OVERRIDES: dict[str, dict] = {
     # Its text model is MiMo-V2-Flash's (mlx-lm's tiny layout: sliding and full layers, MoE after the first).
     "mimo_v2": {"text_config": {"hybrid_layer_pattern": [1, 0, 1, 0], "moe_layer_freq": [0, 1, 1, 1],
                                 "partial_rotary_factor": 1}},
+    # 4 resampler queries an image (its family's image_feature_size); M-RoPE sections of a 16-wide head.
+    "minicpmo": {"query_num": 4, "patch_size": 16, "image_size": 64,
+                 "text_config": {"rope_scaling": {"type": "default", "mrope_section": [2, 3, 3]}}},
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
     # The processor's fixed sizes: a 728 px image, 14 px patches, downsampled 4x a side to 13 x 13 tokens.

@@ -153,7 +153,6 @@ VLM_REFUSED: dict[str, str] = {
     "llmjpvl": NOT_YET.format(what="no adapter for its processor"),
     "locateanything": NOT_YET.format(what="it predicts several future tokens per step (box coordinates) through "
                                           "its own decoding loop"),
-    "minicpmo": AUDIO,
     "minicpmv4_6": TILES,
     "minicpmv4_7": TILES,
     "mllama": ("cross-attention to the image (Llama 3.2 Vision): image states sit beside the prompt, not in it "

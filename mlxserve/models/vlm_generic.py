@@ -62,6 +62,9 @@ class Family:
     # A processor not shaped like Idefics3's (built on the tokenizer alone, outputs pointing into its
     # ids): what models/vlm_spans.py needs to know of it; `processor` is its "module:Class".
     own: ProcessorSpec | None = None
+    # "index": the language model takes M-RoPE positions, but the family places every token at its
+    # own index on all three axes (MiniCPM-o: its get_input_embeddings sets them so).
+    positions: str | None = None
 
 
 QWEN3 = Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3", tiny_preprocessor=QWEN_TINY)
@@ -85,6 +88,14 @@ FAMILIES = {
     "dots_ocr": Family("Qwen2VLImageProcessorPil", ("<|img|>", "<|endofimg|>"), tiny_preprocessor=QWEN_TINY),
     "indic_ocr": QWEN3,  # Qwen3.5 with an Indic vocabulary
     # MiMo-V2.6 (omni: its audio tower is not served): Qwen2.5-VL's image layout, one (1, h, w) grid an image.
+    # MiniCPM-o (omni: its audio tower is not served) as mlx-vlm's processor renders an image: its
+    # resampler's queries between <image> and </image>, <unk> each (4 queries of a 64 px image).
+    "minicpmo": Family("mlxserve.models.vlm_omni:MiniCPMOImages", (None, None),
+                       image_token=("<unk>",), placeholder="<image>", positions="index",
+                       image_processor="mlx_vlm.models.minicpmo.processing_minicpmo:MiniCPMOImageProcessor",
+                       tiny_preprocessor={"patch_size": 16, "scale_resolution": 64, "image_feature_size": 4},
+                       own=ProcessorSpec(tokens=("<image>", "</image>", "<unk>", "<slice>", "</slice>"),
+                                         inputs=("tgt_sizes", "image_bound"), positions=("image_bound",))),
     "mimo_v2": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY),
     "mage_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"),  # one frame a patch
                       tiny_preprocessor=QWEN_TINY | {"temporal_patch_size": 1}),
@@ -325,8 +336,11 @@ class GenericVLM(VisionAdapter):
             self.video_processor = self.videos.processor  # VisionAdapter.pixels makes a video's pixels with it
 
     def _token_id(self, config: dict, keys: tuple[str, ...]) -> int:
-        """The first of the config's `keys` it sets (config.json's, else mlx-vlm's default for the family)."""
+        """The first of the config's `keys` it sets (config.json's, else mlx-vlm's default for the family),
+        or a literal token text ("<unk>") for a family whose config names none."""
         for key in keys:
+            if key.startswith("<"):
+                return self.tokenizer.convert_tokens_to_ids(key)
             value = config.get(key, getattr(self.model.config, key, None))
             if isinstance(value, int):
                 return value
@@ -445,6 +459,9 @@ class GenericVLM(VisionAdapter):
         if not self.mrope:
             return None, 0
         import mlx.core as mx
+
+        if FAMILIES[self.family].positions == "index":
+            return mx.broadcast_to(mx.arange(len(token_ids))[None, None], (3, 1, len(token_ids))), 0
 
         # A video's groups go as video grids of (1, h, w) each: mlx-vlm cuts a video's (t, h, w)
         # into those rows itself, one per vision block.
