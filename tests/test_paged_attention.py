@@ -15,14 +15,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxserve.cache import paged_attention as paged
 from mlxserve.cache.paged_attention import _combine, paged_attention, partitions
 
 TOL = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
 
-def make_case(seed, *, B, kv_heads, group, D, S, L, dtype=mx.float32, max_len=80, shared=2, window=None):
+def make_case(seed, *, B, kv_heads, group, D, S, L, dtype=mx.float32, min_len=1, max_len=80, shared=2,
+              window=None):
     rng = np.random.default_rng(seed)
-    lens = rng.integers(L, max_len + 1, size=B)
+    lens = rng.integers(max(L, min_len), max_len + 1, size=B)
     lens[0] = max(lens[0], shared * S + L)  # rows 0 and 1 share `shared` full blocks
     if B > 1:
         lens[1] = max(lens[1], shared * S + L)
@@ -135,9 +137,42 @@ def test_kernel_matches_sdpa_on_contiguous_kv(kernel, params):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_splits_long_rows_into_partitions(kernel):
     """A lone long row: the launch splits its keys into partitions and merges them."""
-    case, keys, values = make_case(11, B=1, kv_heads=1, group=4, D=128, S=16, L=1, max_len=2500, shared=0)
+    case, keys, values = make_case(11, **LONG_ROW)
     assert partitions(1, 1, 1, case["block_tables"].shape[1], 16)[0] > 1
     assert max_error(case, keys, values, kernel) < TOL[mx.float32]
+
+
+LONG_ROW = dict(B=1, kv_heads=1, group=4, D=128, S=16, L=1, min_len=2000, max_len=2500, shared=0)
+
+
+@pytest.fixture(scope="module")
+def emulated_cuda_kernel():
+    """The CUDA kernel's source built for the CPU (tests/cuda_emulator.py), for every case here."""
+    from tests import cuda_emulator
+
+    if not cuda_emulator.available():
+        pytest.skip("g++ or the CUDA toolkit's headers (cuda_bf16.h) are missing: the CUDA source cannot be "
+                    "built for the CPU emulator")
+    shapes = [(p[7], p[4], p[5], p[3] * p[6]) for p in CASES] + [(mx.float32, 128, 16, 4)]
+    instances = sorted({(("T", t), ("D", d), ("S", s), ("W", paged.warps_per_block(rows)))
+                        for t, d, s, rows in shapes}, key=str)
+    return cuda_emulator.EmulatedKernel(paged._INPUTS, paged._OUTPUTS, paged._CUDA_SOURCE, paged._CUDA_HEADER,
+                                        instances, ["T", "T", "T", mx.int32, mx.int32, mx.int32, mx.float32])
+
+
+@pytest.mark.parametrize("params", CASES + ["long"], ids=lambda p: "long-row" if p == "long" else f"seed{p[0]}")
+def test_cuda_kernel_source_on_a_cpu_emulator(params, emulated_cuda_kernel, monkeypatch):
+    """The CUDA kernel's own text, launched as paged_attention launches it and merged by `_combine`,
+    with the GPU's warps emulated by threads: its indexing, masks and partitions, here on every run."""
+    monkeypatch.setattr(paged, "_cuda_kernel", lambda: emulated_cuda_kernel)
+    if params == "long":
+        case, keys, values = make_case(11, **LONG_ROW)
+        assert partitions(1, 1, 1, case["block_tables"].shape[1], 16)[0] > 1
+        tol = TOL[mx.float32]
+    else:
+        case, keys, values = _case(params)
+        tol = TOL[params[7]]
+    assert max_error(case, keys, values, "cuda") < tol
 
 
 def test_partials_merge_into_the_whole():
