@@ -109,8 +109,14 @@ TEXT_ONLY = ("a text model mlx-lm {version} does not have (mlxserve runs text mo
 NOT_YET = "not served with images yet: {what}; mlx-lm has no text model of it either"
 TILES = NOT_YET.format(what="its processor cuts an image into tiles or crops (and a thumbnail), with tokens "
                             "between rows or tiles")
-ANYRES = NOT_YET.format(what="its processor picks a tile grid by the image's aspect (LLaVA-NeXT's any-resolution) "
-                             "and the model adds newline rows between them")
+# Image rows with no token of the vocabulary to stand for them: mlxserve lays a prompt out as its
+# tokenizer's ids (the chat template renders an image's tokens as text; the prefix cache keys blocks by
+# ids, one a row), so a family whose processor marks images with ids outside the vocabulary cannot be.
+OUTSIDE_VOCABULARY = ("its prompt marks an image with {what}, not with a token of its vocabulary: mlxserve lays "
+                      "a prompt out as its tokenizer's ids, one for each row the language model reads")
+# Families whose processor only their checkpoints' remote code has.
+NO_PROCESSOR = ("mlx-vlm ships no processor for it (its checkpoints' remote code has one, which mlxserve does not "
+                "run): how an image is cut into the tower's input and how many tokens it takes are defined there")
 AUDIO = NOT_YET.format(what="an omni model (audio and image towers); its image layout (tiles and their tokens) has "
                             "no adapter")
 
@@ -141,16 +147,21 @@ VLM_REFUSED: dict[str, str] = {
     "falcon_ocr": NOT_YET.format(what="an OCR pipeline (a layout detector crops regions, each read with its own "
                                       "prompt)"),
     "falcon_perception": DETECTOR,
-    "fastvlm": NOT_YET.format(what="no adapter for its FastViT-HD tower's input and token count"),
+    "fastvlm": OUTSIDE_VOCABULARY.format(what="one id -200, which mlx-vlm's merge expands into the image's rows"),
     "florence2": ENCODER_DECODER,
     "glm5_next": NOT_YET.format(what="its sparse attention's indexer keeps pooled keys in its own cache class "
                                      "(PoolingCache), which mlx-lm cannot batch and the prefix cache cannot hold"),
-    "granite4_vision": ANYRES,
+    "granite4_vision": ("its image tokens' embeddings are zeros: the image enters as features added at chosen "
+                        "language-model layers, which mlx-vlm's Granite 4 layers slice from whole-prompt arrays at "
+                        "the cache's offset (an int: a batch's offsets are an array) and take their layers from "
+                        "state get_input_embeddings leaves on the model; a chunk after cached tokens reads the "
+                        "wrong rows"),
     "hunyuan_vl": TILES,
     "inkling": AUDIO,
     "jina_vlm": TILES,
-    "llava_bunny": NOT_YET.format(what="no adapter for its SigLIP processor and its -200 image index"),
-    "llmjpvl": NOT_YET.format(what="no adapter for its processor"),
+    "llava_bunny": OUTSIDE_VOCABULARY.format(what="one id -200, which mlx-vlm's merge expands into the image's "
+                                                  "729 rows"),
+    "llmjpvl": NO_PROCESSOR,
     "locateanything": NOT_YET.format(what="it predicts several future tokens per step (box coordinates) through "
                                           "its own decoding loop"),
     "minicpmv4_6": TILES,
@@ -167,7 +178,8 @@ VLM_REFUSED: dict[str, str] = {
     "nemotron_parse": ENCODER_DECODER,
     "paligemma": ("its prefix attends both ways over the whole prompt (image and text): a prompt cut into chunks "
                   "or continued from cached blocks would change its tokens"),
-    "phi3_v": TILES,
+    "phi3_v": OUTSIDE_VOCABULARY.format(what="a run of negative ids (-1 for the first image, -2 for the second...) "
+                                             "that its processor writes into the token ids"),
     "phi4_siglip": NOT_YET.format(what="no adapter for its processor and its -200 image index"),
     "phi4mm": AUDIO,
     "plamo2vl": TILES,
@@ -177,7 +189,7 @@ VLM_REFUSED: dict[str, str] = {
     "sam3": DETECTOR,
     "sam3_1": DETECTOR,
     "unlimited_ocr": TILES,
-    "youtu_vl": NOT_YET.format(what="no adapter for its SigLIP-2 processor (patches at the image's own aspect)"),
+    "youtu_vl": NO_PROCESSOR,
     "zaya1_vl": NOT_YET.format(what="its layers' caches are mlx-vlm's own pairs (CacheList) and its image "
                                     "tokens take LoRA weights through a per-token mask"),
     # other kinds of model
