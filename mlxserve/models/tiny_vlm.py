@@ -205,6 +205,9 @@ OVERRIDES: dict[str, dict] = {
     # 4 resampler queries an image (its family's image_feature_size); M-RoPE sections of a 16-wide head.
     "minicpmo": {"query_num": 4, "patch_size": 16, "image_size": 64,
                  "text_config": {"rope_scaling": {"type": "default", "mrope_section": [2, 3, 3]}}},
+    # Its text model is Nemotron-H's (mlx-lm's tiny layout: Mamba, attention, Mamba, MLP).
+    "nemotron_h_nano_omni": {"img_context_token_id": IMAGE_PAD, "vit_hidden_size": VISION_WIDTH,
+                             "projector_hidden_size": 2 * HIDDEN, "text_config": {"hybrid_override_pattern": "M*M-"}},
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
     # The processor's fixed sizes: a 728 px image, 14 px patches, downsampled 4x a side to 13 x 13 tokens.

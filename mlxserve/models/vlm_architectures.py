@@ -174,7 +174,6 @@ VLM_REFUSED: dict[str, str] = {
     "moondream2": TILES,
     "moondream3": TILES,
     "multi_modality": NOT_YET.format(what="no adapter for Janus's processor"),
-    "nemotron_h_nano_omni": AUDIO,
     "nemotron_parse": ENCODER_DECODER,
     "paligemma": ("its prefix attends both ways over the whole prompt (image and text): a prompt cut into chunks "
                   "or continued from cached blocks would change its tokens"),

@@ -96,6 +96,13 @@ FAMILIES = {
                        tiny_preprocessor={"patch_size": 16, "scale_resolution": 64, "image_feature_size": 4},
                        own=ProcessorSpec(tokens=("<image>", "</image>", "<unk>", "<slice>", "</slice>"),
                                          inputs=("tgt_sizes", "image_bound"), positions=("image_bound",))),
+    # Nemotron-3 Nano Omni (its audio tower is not served): the whole image at a patch grid under its
+    # budget, one run of image tokens between <img> and </img> (text in its template), 4 patches a token.
+    "nemotron_h_nano_omni": Family("nemotron_omni", ("<img>", "</img>"),
+                                   image_token=("img_context_token_id", "image_token_index"),
+                                   tiny_preprocessor={"norm_mean": [0.5] * 3, "norm_std": [0.5] * 3, "patch_size": 16,
+                                                      "min_num_patches": 4, "max_num_patches": 36,
+                                                      "max_model_len": 64}),
     "mimo_v2": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY),
     "mage_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"),  # one frame a patch
                       tiny_preprocessor=QWEN_TINY | {"temporal_patch_size": 1}),

@@ -4,7 +4,12 @@ not served: a request's parts are text and images (and video where the family ta
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 from mlx_vlm.models.minicpmo.processing_minicpmo import MiniCPMOProcessor
+
+from mlxserve.models.vlm import ImageInput
 
 
 class MiniCPMOImages(MiniCPMOProcessor):
@@ -18,3 +23,76 @@ class MiniCPMOImages(MiniCPMOProcessor):
 
         super().__init__(image_processor=image_processor, audio_processor=audio_processor or WhisperFeatureExtractor(),
                          tokenizer=tokenizer, **kwargs)
+
+
+def _bicubic_aa_taps(size: int, out: int) -> tuple[np.ndarray, np.ndarray]:
+    """(out, taps) source indices and weights of an antialiased bicubic resize (Keys' a=-0.5,
+    the kernel stretched when shrinking, each output pixel's weights normalized): mlx-vlm's
+    `_bicubic_aa_weights_1d` (PyTorch's `_upsample_bicubic2d_aa`), in numpy."""
+    scale = size / out
+    support = 2.0 * scale if scale >= 1.0 else 2.0
+    taps = math.ceil(support) * 2 + 1
+    inv = 1.0 / scale if scale >= 1.0 else 1.0
+    center = scale * (np.arange(out, dtype=np.float32) + 0.5)
+    lo = np.maximum(np.floor(center - support + 0.5), 0.0)
+    hi = np.minimum(np.floor(center + support + 0.5), float(size))
+    pos = lo[:, None] + np.arange(taps, dtype=np.float32)[None]
+    t = np.abs((pos - center[:, None] + 0.5) * inv)
+    a = -0.5
+    w = np.where(t <= 1.0, (a + 2) * t**3 - (a + 3) * t**2 + 1,
+                 np.where(t < 2.0, a * t**3 - 5 * a * t**2 + 8 * a * t - 4 * a, 0.0)).astype(np.float32)
+    w = np.where(pos - lo[:, None] < np.clip(hi - lo, 0, taps)[:, None], w, 0.0)
+    total = w.sum(axis=1, keepdims=True)
+    w = np.where(total > 0, w / np.maximum(total, 1e-30), w)
+    return np.minimum(pos, size - 1).astype(np.int64), w.astype(np.float32)
+
+
+def resize_bicubic_aa(x: np.ndarray, height: int, width: int) -> np.ndarray:
+    """An (H, W, C) float32 image resized as mlx-vlm's `resize_bicubic_nhwc(antialias=True)`
+    does it with MLX (the width's taps summed inside each row's), in numpy: an image processor
+    runs off the engine thread, where MLX may not."""
+    if x.shape[:2] == (height, width):
+        return x
+    iy, wy = _bicubic_aa_taps(x.shape[0], height)
+    ix, wx = _bicubic_aa_taps(x.shape[1], width)
+    rows = (x[:, ix] * wx[None, :, :, None]).sum(axis=2)  # (H, width, C)
+    return (rows[iy] * wy[:, :, None, None]).sum(axis=1).astype(np.float32)
+
+
+class NemotronOmniImages:
+    """Nemotron-3 Nano Omni: the image resized to a patch grid under its budget (whole, no tiles:
+    mlx-vlm's NemotronHNanoOmniImageProcessor, whose sizes it reads), one run of image tokens
+    between <img> and </img>, the grid over the pixel shuffle's factor squared. Resized and
+    normalized in numpy (that processor resizes with MLX)."""
+
+    def __init__(self, config: dict, pc: dict):
+        from mlx_vlm.models.nemotron_h_nano_omni.image_processing_nemotron_h_nano_omni import (
+            NemotronHNanoOmniImageProcessor,
+        )
+
+        from mlxserve.models.vlm_images import image_settings
+
+        self.proc = NemotronHNanoOmniImageProcessor(**image_settings(pc))
+
+    def _size(self, image) -> tuple[int, int]:
+        """(width, height) in patches, as the processor's _preprocess sizes one image."""
+        p, f = self.proc, self.proc._downsample_factor
+        budget = max((p.max_model_len - 4) * f * f, p.min_num_patches)
+        cap = p.max_num_patches if p.max_num_patches and p.max_num_patches > 0 else float("inf")
+        return p._compute_target_patches(image, max(min(budget, cap), p.min_num_patches))
+
+    def layout(self, image) -> ImageInput:
+        wp, hp = self._size(image)
+        return ImageInput(None, None, wp * hp // self.proc._downsample_factor**2)
+
+    def pixels(self, image) -> np.ndarray:
+        wp, hp = self._size(image)
+        x = resize_bicubic_aa(np.asarray(image.convert("RGB"), np.float32), hp * self.proc.patch_size,
+                              wp * self.proc.patch_size)
+        mean = np.asarray(self.proc.norm_mean, np.float32)
+        std = np.asarray(self.proc.norm_std, np.float32)
+        return np.ascontiguousarray(((x / 255.0 - mean) / std).transpose(2, 0, 1)[None])
+
+    @staticmethod
+    def image_kwargs(inp: ImageInput) -> dict:
+        return {}
