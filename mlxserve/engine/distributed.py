@@ -166,12 +166,12 @@ def _versions() -> dict:
     return out
 
 
-def _facts(model_cfg, engine_cfg, loaded, sharding) -> dict:
+def _facts(model_cfg, engine_cfg) -> dict:
+    """What every rank must share before loading: versions, the model's and engine's settings."""
     engine = dataclasses.asdict(engine_cfg)
     engine.pop("disk_cache_dir", None)  # each rank's own folder (a path per machine)
     return {"versions": _versions(), "model": dataclasses.asdict(model_cfg), "engine": engine,
-            "weights": model_identity(loaded) if loaded is not None else None,
-            "parallel": sharding.mode, "ranks": sharding.size}
+            "ranks": _group.size()}
 
 
 def check_ranks(reports: list[dict]) -> None:
@@ -201,6 +201,8 @@ def load_rank(model_cfg, engine_cfg):
     from mlxserve.models.sharding import Sharding
 
     sharding = Sharding(_group, engine_cfg.parallel)
+    # Settings and versions first: a mismatch is refused before anything loads.
+    check_ranks(gather({"error": None, "facts": _facts(model_cfg, engine_cfg)}))
     loaded, error = None, None
     try:
         if model_cfg.draft_model or engine_cfg.speculative:
@@ -210,8 +212,9 @@ def load_rank(model_cfg, engine_cfg):
         loaded = load_configured(model_cfg, sharding=sharding)
     except Exception as e:  # noqa: BLE001 - reported by every rank, below
         error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    reports = gather({"error": error, "facts": _facts(model_cfg, engine_cfg, loaded, sharding)})
-    check_ranks(reports)
+    # Then what was loaded: the same weights, split the same way.
+    check_ranks(gather({"error": error, "facts": {
+        "weights": model_identity(loaded) if loaded is not None else None, "parallel": sharding.mode}}))
     # Block hashes must be the same on every rank: the weights' identity, not a folder's mtimes,
     # and the split (blocks of another split hold other slices of the KV).
     loaded.fingerprint = hashlib.sha256(
