@@ -73,6 +73,8 @@ def own_forward(loaded, prompt, n):
         inputs |= vision.images.image_kwargs(pixels)
     elif pixels.grid_thw is not None:
         inputs["image_grid_thw"] = mx.array([pixels.grid_thw])
+    if hasattr(vision, "mlx_vlm_ids"):  # the ids as mlx-vlm's processor gives them (Phi-4-MM's -200)
+        ids = vision.mlx_vlm_ids(ids, images)
     return mlx_vlm_greedy(vision, ids, n, **inputs)
 
 
@@ -138,4 +140,3 @@ def test_vlm_type_mlx_lm_has_is_served_as_text_with_images_refused(caplog, tmp_p
     assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
     assert text.status_code == 200
     assert "text only: a vision-language model" in caplog.text
-

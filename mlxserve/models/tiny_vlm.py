@@ -208,6 +208,14 @@ OVERRIDES: dict[str, dict] = {
     # Its text model is Nemotron-H's (mlx-lm's tiny layout: Mamba, attention, Mamba, MLP).
     "nemotron_h_nano_omni": {"img_context_token_id": IMAGE_PAD, "vit_hidden_size": VISION_WIDTH,
                              "projector_hidden_size": 2 * HIDDEN, "text_config": {"hybrid_override_pattern": "M*M-"}},
+    # Its text settings are the config's own (no text_config); the image token its tokenizer has, added;
+    # mlx-vlm's -200 index; a small audio encoder (built whatever the request).
+    "phi4mm": {"image_token_index": -200, "added_tokens": ["<|endoftext10|>"], "vocab_size": QWEN_VOCAB + 64,
+               "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "mm_hidden_size": VISION_WIDTH,
+               "audio_processor": {"config": {"attention_dim": 32, "attention_heads": 2, "num_blocks": 1,
+                                              "linear_units": 64, "ext_pw_out_channel": 32, "conv_channels": 32,
+                                              "depthwise_seperable_out_channel": 32, "input_size": 80}}},
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
     # The processor's fixed sizes: a 728 px image, 14 px patches, downsampled 4x a side to 13 x 13 tokens.

@@ -180,7 +180,6 @@ VLM_REFUSED: dict[str, str] = {
     "phi3_v": OUTSIDE_VOCABULARY.format(what="a run of negative ids (-1 for the first image, -2 for the second...) "
                                              "that its processor writes into the token ids"),
     "phi4_siglip": NOT_YET.format(what="no adapter for its processor and its -200 image index"),
-    "phi4mm": AUDIO,
     "plamo2vl": TILES,
     "qwen3_vl_embedding": EMBEDDING,
     "qwen4_exp": NOT_YET.format(what="its own KV cache class (QSAKVCache), which mlx-lm cannot batch and the "

@@ -65,6 +65,10 @@ class Family:
     # "index": the language model takes M-RoPE positions, but the family places every token at its
     # own index on all three axes (MiniCPM-o: its get_input_embeddings sets them so).
     positions: str | None = None
+    # A config key of the one id mlx-vlm's merge expands into all of an image's rows (Phi-4-MM's
+    # -200 index, which no tokenizer gives): the tower is given that id alone, the prompt a run of
+    # image_token, one a row.
+    expands: str | None = None
 
 
 QWEN3 = Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3", tiny_preprocessor=QWEN_TINY)
@@ -103,6 +107,10 @@ FAMILIES = {
                                    tiny_preprocessor={"norm_mean": [0.5] * 3, "norm_std": [0.5] * 3, "patch_size": 16,
                                                       "min_num_patches": 4, "max_num_patches": 36,
                                                       "max_model_len": 64}),
+    # Phi-4-multimodal (its audio tower and speech LoRA are not served): SigLIP-2 NaFlex patches, one
+    # token each, as <|endoftext10|> (its image token) in the prompt; mlx-vlm's merge expands -200.
+    "phi4mm": Family("phi4mm", (None, None), image_token=("<|endoftext10|>",), expands="image_token_index",
+                     tiny_preprocessor={"patch_size": 16, "min_num_patches": 4, "max_num_patches": 16}),
     "mimo_v2": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY),
     "mage_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"),  # one frame a patch
                       tiny_preprocessor=QWEN_TINY | {"temporal_patch_size": 1}),
@@ -332,6 +340,7 @@ class GenericVLM(VisionAdapter):
         if self.family in MODEL_FIXES:  # mlx-vlm's model mended (models/vlm_layouts.py)
             MODEL_FIXES[self.family](model, self.images)
         self.image_token_id = self._token_id(config, spec.image_token)
+        self.expands = self._token_id(config, (spec.expands,)) if spec.expands else None
         self._wrap = (self._wrap_text(config, spec.wrap[0]), self.token_text(self.image_token_id),
                       self._wrap_text(config, spec.wrap[1]))
         self._deltas: OrderedDict[tuple, int] = OrderedDict()  # image grids -> M-RoPE delta
@@ -411,7 +420,7 @@ class GenericVLM(VisionAdapter):
 
         pixels = mx.array(self.pixels(image))
         if image.video is None:
-            ids = mx.array([self._image_ids(image)])
+            ids = mx.array([[self.expands] if self.expands is not None else self._image_ids(image)])
             kwargs = {"pixel_values": pixels, **self.images.image_kwargs(image)}
         else:
             ids = mx.array([[self.video_token_id] * image.num_tokens])
@@ -425,6 +434,15 @@ class GenericVLM(VisionAdapter):
         if self.deepstack:
             rows = mx.stack([rows, *f.deepstack_visual_embeds], axis=1)
         return rows
+
+    def mlx_vlm_ids(self, token_ids, images) -> list[int]:
+        """The prompt as mlx-vlm's processor gives it (tests compare with its pass): a family whose
+        merge expands one id into an image's rows has that id where each image's run is."""
+        out = list(token_ids)
+        if self.expands is not None:
+            for im in sorted(images, key=lambda im: im.start, reverse=True):
+                out[im.start: im.start + im.num_tokens] = [self.expands]
+        return out
 
     def inputs(self, token_ids, spans) -> dict:
         """Embeddings of a prompt chunk (the family's own text rows, image rows spliced in at

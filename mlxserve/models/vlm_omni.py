@@ -96,3 +96,48 @@ class NemotronOmniImages:
     @staticmethod
     def image_kwargs(inp: ImageInput) -> dict:
         return {}
+
+
+class Phi4MMImages:
+    """Phi-4-multimodal: SigLIP-2 NaFlex patches of the image resized to a patch grid under its
+    patch budget (at least min_num_patches; small images are not upscaled past it), padded to
+    max_num_patches with a mask, one token a patch; as mlx-vlm's Phi4MMImageProcessor, whose
+    numpy steps these are (it returns MLX arrays, made off the engine thread)."""
+
+    def __init__(self, config: dict, pc: dict):
+        from mlx_vlm.models.phi4mm.processing_phi4mm import Phi4MMImageProcessor
+
+        from mlxserve.models.vlm_images import image_settings
+
+        self.proc = Phi4MMImageProcessor(**image_settings(pc))
+
+    def _size(self, image) -> tuple[int, int]:
+        """(height, width) in pixels, as the processor's preprocess picks them."""
+        from mlx_vlm.models.phi4mm.processing_phi4mm import get_image_size_for_max_num_patches
+
+        p = self.proc
+        patches = max((image.height // p.patch_size) * (image.width // p.patch_size), 1)
+        budget = min(max(patches, p.min_num_patches), p.max_num_patches)
+        return get_image_size_for_max_num_patches(image.height, image.width, p.patch_size, budget)
+
+    def layout(self, image) -> ImageInput:
+        h, w = self._size(image)
+        grid = (1, h // self.proc.patch_size, w // self.proc.patch_size)
+        return ImageInput(None, grid, grid[1] * grid[2])
+
+    def pixels(self, image) -> np.ndarray:
+        from mlx_vlm.models.phi4mm.processing_phi4mm import convert_image_to_patches, pad_along_first_dim
+        from PIL import Image
+
+        h, w = self._size(image)
+        x = np.array(image.convert("RGB").resize((w, h), Image.Resampling.BILINEAR)).astype(np.float32) / 255.0
+        x = (x - np.array(self.proc.image_mean, np.float32)) / np.array(self.proc.image_std, np.float32)
+        patches, _ = pad_along_first_dim(convert_image_to_patches(x, self.proc.patch_size), self.proc.max_num_patches)
+        return patches[None]
+
+    def image_kwargs(self, inp: ImageInput) -> dict:
+        import mlx.core as mx
+
+        _, h, w = inp.grid_thw
+        mask = np.arange(self.proc.max_num_patches) < h * w
+        return {"pixel_attention_mask": mx.array(mask[None]), "spatial_shapes": mx.array([[h, w]])}
