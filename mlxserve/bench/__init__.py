@@ -1,9 +1,11 @@
 """Benchmarks: `mlxserve bench engine | decode | serve | http | prefix | multimodal | grammar | exact | crash
-| soak | spec | warmup | agent | stall`."""
+| soak | spec | warmup | agent | stall
+| paged-attention`."""
 
 
 def add_bench_parsers(parser) -> None:
-    from mlxserve.bench import agent, crash, decode, engine, exact, grammar, http, multimodal, prefix, serve, soak, spec, stall, warmup
+    from mlxserve.bench import (agent, crash, decode, engine, exact, grammar, http, multimodal, paged_attention, prefix,
+                                serve, soak, spec, stall, warmup)
 
     sub = parser.add_subparsers(dest="bench", required=True)
     engine.add_parser(sub)
@@ -20,3 +22,4 @@ def add_bench_parsers(parser) -> None:
     warmup.add_parser(sub)
     agent.add_parser(sub)
     stall.add_parser(sub)
+    paged_attention.add_parser(sub)
