@@ -198,6 +198,11 @@ OVERRIDES: dict[str, dict] = {
     # Its tiles' grids (its family's tiny_preprocessor), 32 px tiles.
     "llava_onevision": {"image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
                         "vision_config": {"image_size": 32, "model_type": "siglip_vision_model"}},
+    # Sliding and full layers, a dense MLP then experts; its relative band as short as the window.
+    "inkling": {"vision_config": {"patch_size": 32},
+                "text_config": {"layer_types": ["hybrid_sliding", "full_attention"] * 2,
+                                "mlp_layer_types": ["dense", "moe", "moe", "moe"], "dense_intermediate_size": 128,
+                                "rel_extent": 16, "d_rel": 4}},
     "mage_vl": {"vision_config": {"hidden_size": 2 * VISION_WIDTH}},  # its tower's heads: a multiple of 32 wide
     # Its text model is MiMo-V2-Flash's (mlx-lm's tiny layout: sliding and full layers, MoE after the first).
     "mimo_v2": {"text_config": {"hybrid_layer_pattern": [1, 0, 1, 0], "moe_layer_freq": [0, 1, 1, 1],

@@ -157,7 +157,6 @@ VLM_REFUSED: dict[str, str] = {
                         "state get_input_embeddings leaves on the model; a chunk after cached tokens reads the "
                         "wrong rows"),
     "hunyuan_vl": TILES,
-    "inkling": AUDIO,
     "jina_vlm": TILES,
     "llava_bunny": OUTSIDE_VOCABULARY.format(what="one id -200, which mlx-vlm's merge expands into the image's "
                                                   "729 rows"),

@@ -111,6 +111,8 @@ FAMILIES = {
     # token each, as <|endoftext10|> (its image token) in the prompt; mlx-vlm's merge expands -200.
     "phi4mm": Family("phi4mm", (None, None), image_token=("<|endoftext10|>",), expands="image_token_index",
                      tiny_preprocessor={"patch_size": 16, "min_num_patches": 4, "max_num_patches": 16}),
+    # Inkling (its audio tower is not served): one image token a 32 px tile (tiny; 40 px in its checkpoints).
+    "inkling": Family("inkling", (None, None), tiny_preprocessor={"patch_size": 32}),
     "mimo_v2": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY),
     "mage_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"),  # one frame a patch
                       tiny_preprocessor=QWEN_TINY | {"temporal_patch_size": 1}),

@@ -284,6 +284,12 @@ def _nemotron_omni(config: dict, pc: dict):
     return NemotronOmniImages(config, pc)
 
 
+def _inkling(config: dict, pc: dict):
+    from mlxserve.models.vlm_omni import InklingImages
+
+    return InklingImages(config, pc)
+
+
 def _phi4mm(config: dict, pc: dict):
     from mlxserve.models.vlm_omni import Phi4MMImages
 
@@ -303,7 +309,7 @@ PROCESSORS = {
     "kimi_k25": partial(KimiImages, "mlx_vlm.models.kimi_k25.processing_kimi_k25:KimiK25ImageProcessor"),
     # Several tower inputs an image (models/vlm_layouts.py)
     "internvl": partial(InternVLTiles, chat=False), "internvl_chat": partial(InternVLTiles, chat=True),
-    "nemotron_omni": _nemotron_omni, "phi4mm": _phi4mm,  # models/vlm_omni.py
+    "nemotron_omni": _nemotron_omni, "phi4mm": _phi4mm, "inkling": _inkling,  # models/vlm_omni.py
     "got": GotImages,
 }
 

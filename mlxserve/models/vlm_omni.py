@@ -141,3 +141,27 @@ class Phi4MMImages:
         _, h, w = inp.grid_thw
         mask = np.arange(self.proc.max_num_patches) < h * w
         return {"pixel_attention_mask": mx.array(mask[None]), "spatial_shapes": mx.array([[h, w]])}
+
+
+class InklingImages:
+    """Inkling: the image cut into patch x patch tiles (ceil(H / patch) rows, W // patch + 1
+    columns, edge tiles padded), each one image token, its frame doubled on the temporal axis;
+    mlx-vlm's InklingImageProcessor's own numpy steps (its preprocess returns an MLX array)."""
+
+    def __init__(self, config: dict, pc: dict):
+        from mlx_vlm.models.inkling.processing_inkling import InklingImageProcessor
+
+        from mlxserve.models.vlm_images import image_settings
+
+        self.proc = InklingImageProcessor(**image_settings(pc))
+
+    def layout(self, image) -> ImageInput:
+        pixels = self.pixels(image)  # a rescale (rescale_image_frac) changes the tile count
+        return ImageInput(pixels, None, pixels.shape[0])
+
+    def pixels(self, image) -> np.ndarray:
+        return self.proc._preprocess_one(image)
+
+    @staticmethod
+    def image_kwargs(inp: ImageInput) -> dict:
+        return {}
