@@ -156,8 +156,17 @@ class InklingImages:
         self.proc = InklingImageProcessor(**image_settings(pc))
 
     def layout(self, image) -> ImageInput:
-        pixels = self.pixels(image)  # a rescale (rescale_image_frac) changes the tile count
-        return ImageInput(pixels, None, pixels.shape[0])
+        """Its tile count, from the size _preprocess_one gives the image (after its rescale, if set)."""
+        p, (height, width) = self.proc, (image.height, image.width)
+        if p.rescale_image_frac is not None:
+            long_edge = max(height, width)
+            target = long_edge * p.rescale_image_frac
+            if p.rescale_image_max_upscaled_long_edge is not None:
+                target = min(target, max(p.rescale_image_max_upscaled_long_edge, long_edge))
+            if target != long_edge:
+                ratio = target / long_edge
+                height, width = math.floor(height * ratio + 0.5), math.floor(width * ratio + 0.5)
+        return ImageInput(None, None, -(-height // p.patch_size) * (width // p.patch_size + 1))
 
     def pixels(self, image) -> np.ndarray:
         return self.proc._preprocess_one(image)
