@@ -190,6 +190,12 @@ OVERRIDES: dict[str, dict] = {
     # A 128 px input: 8 x 8 patches in windows of 4, 2 x 2 tokens after its two stride-2 convolutions.
     "got": {"vision_config": {"img_size": 128, "out_chans": 16, "out_dim": VISION_WIDTH, "window_size": 4,
                               "global_attn_indexes": [1]}},
+    # Its QFormers' heads are 64 wide; features added at layer 0 (deepstack) and 1 (spatial). Text rows
+    # scaled down (Granite's embedding multiplier is 12) so the greedy tokens turn on the image's features.
+    "granite4_vision": {"image_grid_pinpoints": [[64, 64], [64, 128], [128, 64], [128, 128]], "downsample_rate": "2/4",
+                        "deepstack_layer_map": [[-1, 0]], "spatial_target_layers": [1, 1, 1, 1],
+                        "text_config": {"model_type": "granite", "embedding_multiplier": 0.1},
+                        "vision_config": {"hidden_size": 64}},
     "granite_vision": {"image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
                        "vision_feature_layer": [-2, -1], "vision_config": {"image_size": 32}},
     "llava_next": {"image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],

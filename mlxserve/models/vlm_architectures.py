@@ -151,11 +151,6 @@ VLM_REFUSED: dict[str, str] = {
     "florence2": ENCODER_DECODER,
     "glm5_next": NOT_YET.format(what="its sparse attention's indexer keeps pooled keys in its own cache class "
                                      "(PoolingCache), which mlx-lm cannot batch and the prefix cache cannot hold"),
-    "granite4_vision": ("its image tokens' embeddings are zeros: the image enters as features added at chosen "
-                        "language-model layers, which mlx-vlm's Granite 4 layers slice from whole-prompt arrays at "
-                        "the cache's offset (an int: a batch's offsets are an array) and take their layers from "
-                        "state get_input_embeddings leaves on the model; a chunk after cached tokens reads the "
-                        "wrong rows"),
     "hunyuan_vl": TILES,
     "jina_vlm": TILES,
     "llava_bunny": OUTSIDE_VOCABULARY.format(what="one id -200, which mlx-vlm's merge expands into the image's "

@@ -35,7 +35,7 @@ import numpy as np
 
 from mlxserve.models.vlm import ImageInput, VisionAdapter
 from mlxserve.models.vlm_images import VIDEOS, OwnLayout, image_processor
-from mlxserve.models.vlm_layouts import MODEL_FIXES
+from mlxserve.models.vlm_layouts import LAYER_FEATURES, MODEL_FIXES
 from mlxserve.models.vlm_spans import ProcessorSpans, ProcessorSpec
 
 
@@ -140,6 +140,15 @@ FAMILIES = {
     "internvl": Family("internvl", ("<img>", "</img>"),
                        tiny_preprocessor={"processor_config": {"image_seq_length": 4}}),
     "internvl_chat": Family("internvl_chat", ("<img>", "</img>")),
+    # LLaVA-NeXT's layout; the image enters as features added at chosen layers (vlm_layouts.ChunkRows):
+    # 64 px tiles of 4 tokens (a 4 x 4 patch grid's 4 x 4 windows read by 2 x 2 queries).
+    "granite4_vision": Family("mlx_vlm.models.granite4_vision.processing_granite4_vision:Granite4VisionProcessor",
+                              (None, None), image_processor="LlavaNextImageProcessorPil",
+                              tiny_preprocessor={"size": {"shortest_edge": 64},
+                                                 "crop_size": {"height": 64, "width": 64},
+                                                 "image_grid_pinpoints": [[64, 64], [64, 128], [128, 64], [128, 128]],
+                                                 "processor_config": {"patch_size": 16, "downsample_rate": "2/4",
+                                                                      "vision_feature_select_strategy": "full"}}),
     # LLaVA-NeXT's layout and merge (mended alike), its features from several tower layers.
     "granite_vision": Family("mlx_vlm.models.granite_vision.processing_granite_vision:GraniteVisionProcessor",
                              (None, None), image_processor="LlavaNextImageProcessorPil",
@@ -319,7 +328,8 @@ class GenericVLM(VisionAdapter):
         spec = FAMILIES[self.family]
         lm, cfg = model.language_model, model.config
         self.mrope = hasattr(lm, "get_rope_index")  # Qwen3-VL, Qwen3.5: M-RoPE positions from the image grids
-        self.deepstack = bool(getattr(cfg.vision_config, "deepstack_visual_indexes", None))  # Qwen3-VL
+        self.deepstack = bool(getattr(cfg.vision_config, "deepstack_visual_indexes", None)  # Qwen3-VL
+                              or getattr(cfg, "deepstack_layer_map", None))  # Granite 4 Vision
         check_supported(config)
         for module in {klass.__module__ for klass in type(lm).__mro__} & _PATCHES.keys():
             _PATCHES[module]()
@@ -470,6 +480,8 @@ class GenericVLM(VisionAdapter):
             media = ids == self.image_token_id
             out["visual_pos_masks"] = media if self.video_token_id is None else media | (ids == self.video_token_id)
             out["deepstack_visual_embeds"] = [rows[:, j] for j in range(rows.shape[1])]
+            if self.family in LAYER_FEATURES:
+                out = LAYER_FEATURES[self.family](out, media, rows)
         if getattr(text, "per_layer_inputs", None) is not None:
             out["per_layer_inputs"] = text.per_layer_inputs
         if self.whole_images:  # which tokens are media: mlx-vlm's mask lets each run attend to itself both ways

@@ -165,5 +165,44 @@ def _anyres_rows(model, tiles, size, pinpoints):
     return mx.concatenate([feats[0], grid.reshape(-1, dim)])
 
 
+class ChunkRows:
+    """A prompt chunk's per-position array (its image-token mask, a layer's feature rows) for
+    mlx-vlm's Granite 4 Vision layers, which slice such arrays at the cache's offset as if they
+    covered the whole prompt (mlx-vlm prefills a prompt in one pass): any slice of it is the
+    chunk's own, which is what the chunk's positions are. An int index picks one layer's rows."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __getitem__(self, key):
+        return ChunkRows(self.array[key]) if isinstance(key, int) else self.array
+
+
+def granite4_layer_features(model, images) -> None:
+    """Granite 4 Vision's image enters as features added at chosen language-model layers; the
+    layers are read off state its get_input_embeddings leaves on the model at each encode. Set
+    here from the config once (a prompt whose image rows come from the caches encodes nothing)."""
+    cfg = model.config
+    layers = [llm for _, llm in cfg.deepstack_layer_map or []]
+    if cfg.use_spatial_sampling and model.spatial_projectors is not None:
+        layers += list(cfg.spatial_target_layers or [])
+    model.language_model.model._deepstack_target_layers = layers or None
+
+
+def granite4_chunk_extras(out: dict, media, rows) -> dict:
+    """A chunk's layer features as Granite 4's layers read them: one (chunk, D) array a layer,
+    zeros off the image tokens, and the mask, each sliced as the chunk's own (ChunkRows)."""
+    import mlx.core as mx
+
+    at = mx.clip(mx.cumsum(media[0].astype(mx.int32)) - 1, 0, rows.shape[0] - 1)
+    full = mx.where(media[0][:, None, None], rows[at], mx.zeros_like(rows[at]))  # (chunk, layers, D)
+    out["visual_pos_masks"] = ChunkRows(media)
+    out["deepstack_visual_embeds"] = ChunkRows(full.transpose(1, 0, 2))
+    return out
+
+
 # Mends of mlx-vlm models, by model type: each given the model and its adapter's image processor.
-MODEL_FIXES = {"llava_next": anyres_merge, "granite_vision": anyres_merge}
+MODEL_FIXES = {"llava_next": anyres_merge, "granite_vision": anyres_merge, "granite4_vision": granite4_layer_features}
+# A family's per-layer image features in the form its layers read: the chunk's extras, its image-token
+# mask and its image tokens' rows [n, layers, D] -> the extras.
+LAYER_FEATURES = {"granite4_vision": granite4_chunk_extras}
