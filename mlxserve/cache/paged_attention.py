@@ -235,11 +235,11 @@ _CUDA_SOURCE = """
   hi = min(hi, (part + 1) * part_tokens);
 
   const float qsc = qscale[0];                   // scale * log2(e): softmax in base 2
-  const T* q = queries + ((size_t)(b * HQ + qh) * L + i) * D;
+  const T* q = queries + ((int64_t)(b * HQ + qh) * L + i) * D;
   for (int d = lane; d < D; d += 32) qs[warp][d] = static_cast<float>(q[d]) * qsc;
   __syncwarp();
 
-  const int* table = block_tables + (size_t)b * MB;
+  const int* table = block_tables + (int64_t)b * MB;
   float m = NEG_INF;
   float l = 0.f;
   float acc[DPL];
@@ -252,7 +252,7 @@ _CUDA_SOURCE = """
     const int blk = valid ? table[j / S] : 0;
     float s = NEG_INF;
     if (valid) {
-      const T* kr = k_pool + (((size_t)blk * HKV + h) * S + (j % S)) * D;
+      const T* kr = k_pool + (((int64_t)blk * HKV + h) * S + (j % S)) * D;
       float dot = 0.f;
 #pragma unroll
       for (int d0 = 0; d0 < D; d0 += PACK) {
@@ -268,18 +268,38 @@ _CUDA_SOURCE = """
     l = l * alpha + paged_warp_sum(p);
 #pragma unroll
     for (int k = 0; k < DPL; ++k) acc[k] *= alpha;
+    // Values, 8 keys at a time: their loads are issued together, before any of them is used
+    // (one at a time, each key's row would wait on memory alone).
     const int n = min(32, hi - base);
-    for (int jj = 0; jj < n; ++jj) {
+    int jj = 0;
+    for (; jj + 8 <= n; jj += 8) {
+      float pu[8];
+      T vu[8][DPL];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        pu[u] = __shfl_sync(0xffffffffu, p, jj + u);
+        const int bj = __shfl_sync(0xffffffffu, blk, jj + u);
+        const T* vr = v_pool + (((int64_t)bj * HKV + h) * S + ((base + jj + u) % S)) * D + lane * DPL;
+#pragma unroll
+        for (int k = 0; k < DPL; ++k) vu[u][k] = vr[k];
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+#pragma unroll
+        for (int k = 0; k < DPL; ++k) acc[k] += pu[u] * static_cast<float>(vu[u][k]);
+      }
+    }
+    for (; jj < n; ++jj) {
       const float pj = __shfl_sync(0xffffffffu, p, jj);
       const int bj = __shfl_sync(0xffffffffu, blk, jj);
-      const T* vr = v_pool + (((size_t)bj * HKV + h) * S + ((base + jj) % S)) * D + lane * DPL;
+      const T* vr = v_pool + (((int64_t)bj * HKV + h) * S + ((base + jj) % S)) * D + lane * DPL;
 #pragma unroll
       for (int k = 0; k < DPL; ++k) acc[k] += pj * static_cast<float>(vr[k]);
     }
     m = m_new;
   }
 
-  const size_t row = ((size_t)(b * HQ + qh) * L + i) * n_parts + part;
+  const int64_t row = ((int64_t)(b * HQ + qh) * L + i) * n_parts + part;
   const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
   for (int k = 0; k < DPL; ++k) out_part[row * D + lane * DPL + k] = acc[k] * inv;
@@ -318,11 +338,11 @@ _METAL_SOURCE = """
   hi = min(hi, (part + 1) * part_tokens);
 
   const float qsc = qscale[0];
-  const size_t q_off = ((size_t)(b * HQ + qh) * L + i) * D;
+  const int64_t q_off = ((int64_t)(b * HQ + qh) * L + i) * D;
   for (int d = int(lane); d < D; d += 32) qs[warp * D + d] = static_cast<float>(queries[q_off + d]) * qsc;
   simdgroup_barrier(mem_flags::mem_threadgroup);
 
-  const size_t t_off = (size_t)b * MB;
+  const int64_t t_off = (int64_t)b * MB;
   float m = NEG_INF;
   float l = 0.f;
   float acc[DPL];
@@ -334,7 +354,7 @@ _METAL_SOURCE = """
     const int blk = valid ? block_tables[t_off + j / S] : 0;
     float s = NEG_INF;
     if (valid) {
-      const size_t k_off = (((size_t)blk * HKV + h) * S + (j % S)) * D;
+      const int64_t k_off = (((int64_t)blk * HKV + h) * S + (j % S)) * D;
       float dot = 0.f;
       for (int d = 0; d < D; ++d) dot += qs[warp * D + d] * static_cast<float>(k_pool[k_off + d]);
       s = dot;
@@ -348,13 +368,13 @@ _METAL_SOURCE = """
     for (int jj = 0; jj < n; ++jj) {
       const float pj = simd_shuffle(p, ushort(jj));
       const int bj = simd_shuffle(blk, ushort(jj));
-      const size_t v_off = (((size_t)bj * HKV + h) * S + ((base + jj) % S)) * D + lane * DPL;
+      const int64_t v_off = (((int64_t)bj * HKV + h) * S + ((base + jj) % S)) * D + lane * DPL;
       for (int k = 0; k < DPL; ++k) acc[k] += pj * static_cast<float>(v_pool[v_off + k]);
     }
     m = m_new;
   }
 
-  const size_t row = ((size_t)(b * HQ + qh) * L + i) * n_parts + part;
+  const int64_t row = ((int64_t)(b * HQ + qh) * L + i) * n_parts + part;
   const float inv = l > 0.f ? 1.f / l : 0.f;
   for (int k = 0; k < DPL; ++k) out_part[row * D + lane * DPL + k] = acc[k] * inv;
   if (lane == 0) lse_part[row] = l > 0.f ? m + log2(l) : NEG_INF;
