@@ -351,6 +351,8 @@ def mlx_vlm_forward(vision, ids: list[int], **image_inputs):
         cache = lm.make_cache() if hasattr(lm, "make_cache") else [KVCache() for _ in lm.layers]
     else:
         cache = vision.text_model.make_cache()[: vision.text_model.n_layers]
+    if hasattr(vision, "mlx_vlm_lm_kwargs"):  # what its Model.__call__ adds (ERNIE 4.5 VL's token types)
+        extra |= vision.mlx_vlm_lm_kwargs(ids[0].tolist(), image_inputs)
     return lm(ids, inputs_embeds=emb.inputs_embeds, cache=cache, **extra).logits[0, -1], lm, cache
 
 

@@ -204,6 +204,13 @@ OVERRIDES: dict[str, dict] = {
     # Its tiles' grids (its family's tiny_preprocessor), 32 px tiles.
     "llava_onevision": {"image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
                         "vision_config": {"image_size": 32, "model_type": "siglip_vision_model"}},
+    # Its image token is im_patch_id; text and media experts (two groups of 4) after a dense layer;
+    # 3-D rotary sections of a 16-wide head; its resampler takes the tower's width.
+    "ernie4_5_moe_vl": {"im_patch_id": IMAGE_PAD, "pixel_hidden_size": VISION_WIDTH, "freq_allocation": 2,
+                        "vision_config": {"spatial_merge_size": 2},
+                        "text_config": {"moe_num_experts": [4, 4], "moe_intermediate_size": [32, 32],
+                                        "moe_layer_start_index": 1, "moe_layer_end_index": 3, "moe_k": 2,
+                                        "mrope_section": [3, 3, 2], "freq_allocation": 2}},
     # Sliding and full layers, a dense MLP then experts; its relative band as short as the window.
     "inkling": {"vision_config": {"patch_size": 32},
                 "text_config": {"layer_types": ["hybrid_sliding", "full_attention"] * 2,

@@ -86,6 +86,9 @@ class TextModel:
             add_recurrent_cache_methods()
         # Layer caches: fewer than layers when the last layers share earlier KV (Gemma 4).
         self.n_layers = len(self._template)
+        # M-RoPE positions as (batch, seq, 3) rather than (3, batch, seq) (ERNIE 4.5 VL's language model):
+        # the engine keeps them (3, batch, seq), moved for the model here.
+        self.positions_last = False
         # Where the position offset is read: the first attention cache (a recurrent state has none).
         self.offset_index = next((i for i, kind in enumerate(self._template)
                                   if kind[0] in ("KVCache", "RotatingKVCache")), 0)
@@ -122,7 +125,7 @@ class TextModel:
         if self.mrope:
             if positions is None:
                 positions = self._decode_positions(inputs, cache) if cache is not None else None
-            kwargs["position_ids"] = positions
+            kwargs["position_ids"] = positions.transpose(1, 2, 0) if self.positions_last else positions
         layer_cache = cache[: self.n_layers] if cache is not None else None
         logits = self.lm(inputs, inputs_embeds=inputs_embeds, cache=layer_cache, **kwargs).logits
         if cache is not None:

@@ -142,8 +142,6 @@ VLM_REFUSED: dict[str, str] = {
     "deepseekocr": TILES,
     "deepseekocr_2": TILES,
     "diffusion_gemma": DIFFUSION_LM,
-    "ernie4_5_moe_vl": NOT_YET.format(what="its language model's 3-D rotary positions are not the M-RoPE layout "
-                                           "the generic adapter passes (a tiny config's first image chunk fails)"),
     "falcon_ocr": NOT_YET.format(what="an OCR pipeline (a layout detector crops regions, each read with its own "
                                       "prompt)"),
     "falcon_perception": DETECTOR,

@@ -63,8 +63,12 @@ class Family:
     # ids): what models/vlm_spans.py needs to know of it; `processor` is its "module:Class".
     own: ProcessorSpec | None = None
     # "index": the language model takes M-RoPE positions, but the family places every token at its
-    # own index on all three axes (MiniCPM-o: its get_input_embeddings sets them so).
+    # own index on all three axes (MiniCPM-o: its get_input_embeddings sets them so). "last": its
+    # get_rope_index and language model keep the three axes last, (batch, seq, 3) (ERNIE 4.5 VL).
     positions: str | None = None
+    # Its Model.__call__ gives the language model which tokens are media (token_type_ids: 1 for an
+    # image's tokens), and its image inputs: ERNIE 4.5 VL routes media tokens to experts of their own.
+    token_types: bool = False
     # A config key of the one id mlx-vlm's merge expands into all of an image's rows (Phi-4-MM's
     # -200 index, which no tokenizer gives): the tower is given that id alone, the prompt a run of
     # image_token, one a row.
@@ -82,6 +86,13 @@ FAMILIES = {
     "qwen3_vl_moe": QWEN3,
     "qwen3_5": QWEN3,
     "qwen3_5_moe": QWEN3,
+    # ERNIE 4.5 VL: Qwen2-VL's patch grid (its own processor), one run between its image marks; 3-D rotary
+    # positions with the axes last; media tokens through their own experts.
+    "ernie4_5_moe_vl": Family("mlx_vlm.models.ernie4_5_moe_vl.processing_ernie4_5_moe_vl:ImageProcessor",
+                              ("image_start_token_id", "image_end_token_id"), image_token=("im_patch_id",),
+                              positions="last", token_types=True,
+                              tiny_preprocessor={"min_pixels": 1024, "max_pixels": 16384, "patch_size": 16,
+                                                 "merge_size": 2, "temporal_patch_size": 1}),
     "glm4v": GLM4V,
     # GOT-OCR 2.0: one square tower input, its image tags' ids in the config (<img>, </img>, <imgpad>).
     "got": Family("got", ("im_start_token", "im_end_token"), image_token=("im_patch_token",)),
@@ -351,6 +362,7 @@ class GenericVLM(VisionAdapter):
                                     hf_of(tokenizer), spec.placeholder)
         if self.family in MODEL_FIXES:  # mlx-vlm's model mended (models/vlm_layouts.py)
             MODEL_FIXES[self.family](model, self.images)
+        self.text_model.positions_last = spec.positions == "last"
         self.image_token_id = self._token_id(config, spec.image_token)
         self.expands = self._token_id(config, (spec.expands,)) if spec.expands else None
         self._wrap = (self._wrap_text(config, spec.wrap[0]), self.token_text(self.image_token_id),
@@ -447,6 +459,20 @@ class GenericVLM(VisionAdapter):
             rows = mx.stack([rows, *f.deepstack_visual_embeds], axis=1)
         return rows
 
+    def _media(self, ids):
+        """Which of `ids` are image (or video) tokens."""
+        media = ids == self.image_token_id
+        return media if self.video_token_id is None else media | (ids == self.video_token_id)
+
+    def mlx_vlm_lm_kwargs(self, token_ids, image_inputs: dict) -> dict:
+        """What mlx-vlm's Model.__call__ gives its language model beside the input embeddings, for
+        a family whose get_input_embeddings does not give it all (tests compare with its pass)."""
+        import mlx.core as mx
+
+        if not FAMILIES[self.family].token_types:
+            return {}
+        return {**image_inputs, "token_type_ids": self._media(mx.array([token_ids])).astype(mx.int32)}
+
     def mlx_vlm_ids(self, token_ids, images) -> list[int]:
         """The prompt as mlx-vlm's processor gives it (tests compare with its pass): a family whose
         merge expands one id into an image's rows has that id where each image's run is."""
@@ -484,6 +510,8 @@ class GenericVLM(VisionAdapter):
                 out = LAYER_FEATURES[self.family](out, media, rows)
         if getattr(text, "per_layer_inputs", None) is not None:
             out["per_layer_inputs"] = text.per_layer_inputs
+        if FAMILIES[self.family].token_types:  # decode steps (text) pass none: text experts
+            out["token_type_ids"] = self._media(ids).astype(mx.int32)
         if self.whole_images:  # which tokens are media: mlx-vlm's mask lets each run attend to itself both ways
             types = (ids == self.image_token_id).astype(mx.int32)
             if self.video_token_id is not None:
@@ -508,6 +536,8 @@ class GenericVLM(VisionAdapter):
         videos = [im.grid_thw for im in images if im.video is not None]
         pos, delta = self.model.language_model.get_rope_index(
             mx.array([token_ids]), mx.array(grids) if grids else None, mx.array(videos) if videos else None, None)
+        if self.text_model.positions_last:
+            pos = pos.transpose(2, 0, 1)
         delta = int(delta.reshape(-1)[0].item())
         self._deltas[tuple(im.grid_thw for im in images)] = delta
         while len(self._deltas) > 1024:

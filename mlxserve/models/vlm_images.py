@@ -108,7 +108,10 @@ class PatchGrid:
         self.merge = self.proc.merge_size
 
     def _run(self, image) -> dict:
-        return self.proc(images=[image.convert("RGB")], return_tensors="np")
+        # Asked for numpy, unless it takes no such argument (mlx-vlm's ERNIE 4.5 VL's: numpy always).
+        taken = inspect.signature(self.proc.preprocess).parameters
+        asks = "return_tensors" in taken or any(p.kind == p.VAR_KEYWORD for p in taken.values())
+        return self.proc(images=[image.convert("RGB")], **({"return_tensors": "np"} if asks else {}))
 
     def layout(self, image) -> ImageInput:
         out = self._run(image)  # the processor's resize decides the grid: its pixels come with it

@@ -1,0 +1,48 @@
+"""Family inputs the generated per-type test (tests/test_vlm_architectures.py) is too coarse to
+see: it compares a few greedy tokens, which a dummy model's logits may keep when an input moves
+them by less than their margin. Here prompt chunks' logits are compared with mlx-vlm's own
+whole-prompt pass, and the input is shown to matter."""
+
+import numpy as np
+
+from test_vlm import mlx_vlm_forward, picture
+from test_vlm_architectures import load_config, user
+
+
+def chunked_logits(vision, ids, images, step=5):
+    """The last logits of `ids` prefilled in chunks of `step` as the engine does: the adapter's
+    chunk inputs, image rows spliced in, positions sliced per chunk."""
+    import mlx.core as mx
+
+    feats = [vision.encode(im.pixels) for im in images]
+    positions = vision.positions(ids, [im.pixels for im in images])[0]
+    cache = vision.text_model.make_cache()
+    for a in range(0, len(ids), step):
+        b = min(a + step, len(ids))
+        spans = [(max(a, im.start) - a, f[max(a, im.start) - im.start: min(b, im.start + im.num_tokens) - im.start])
+                 for im, f in zip(images, feats) if im.start < b and im.start + im.num_tokens > a]
+        logits = vision.text_model(mx.array([ids[a:b]]), cache=cache, **vision.inputs(ids[a:b], spans),
+                                   positions=None if positions is None else positions[..., a:b])
+    return np.array(logits[0, -1])
+
+
+def test_ernie_media_tokens_go_to_their_experts_in_every_chunk(tmp_path):
+    """ERNIE 4.5 VL routes an image's tokens to its media experts (token_type_ids, as its
+    Model.__call__ gives them) at 3-D rotary positions kept axes-last: chunked prefill gives
+    mlx-vlm's whole-prompt logits, and without the token types they are not."""
+    import mlx.core as mx
+
+    from mlxserve.models.tiny_vlm import tiny_vlm_config
+    from mlxserve.multimodal.prompt import chat_prompt
+
+    loaded = load_config(tiny_vlm_config("ernie4_5_moe_vl"), tmp_path)
+    vision = loaded.vision
+    ids, images = chat_prompt(loaded, user(picture(7), "What is in this picture? Say it in a few words."))
+    pixels = images[0].pixels
+    inputs = {"pixel_values": mx.array(vision.pixels(pixels)), **vision.images.image_kwargs(pixels)}
+    want = np.array(mlx_vlm_forward(vision, ids, **inputs)[0])
+    assert np.abs(chunked_logits(vision, ids, images) - want).max() < 1e-3
+
+    text_experts = vision.inputs  # every token through the text experts: what a missing token_type_ids does
+    vision.inputs = lambda t, s: {k: v for k, v in text_experts(t, s).items() if k != "token_type_ids"}
+    assert np.abs(chunked_logits(vision, ids, images) - want).max() > 0.1
