@@ -9,7 +9,6 @@ run for real; only the hardware is emulated (no memory-model or timing effects).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -118,7 +117,8 @@ class EmulatedKernel:
 
     def __init__(self, input_names, output_names, source, header, instances, input_dtypes):
         self.input_names, self.output_names = list(input_names), list(output_names)
-        self.workdir = Path(tempfile.mkdtemp(prefix="cuda-emu-"))
+        self._dir = tempfile.TemporaryDirectory(prefix="cuda-emu-")  # removed with this object
+        self.workdir = Path(self._dir.name)
         code = [PRELUDE, header]
         dispatch = []
         for n, template in enumerate(instances):
@@ -131,17 +131,12 @@ class EmulatedKernel:
             dispatch.append((template, n, in_types))
         self.dispatch = {self._key(t): (n, tys) for t, n, tys in dispatch}
         code.append(self._main(dispatch, source))
-        src = "\n".join(code)
-        digest = hashlib.sha256(src.encode()).hexdigest()[:16]
-        self.binary = Path(tempfile.gettempdir()) / f"cuda-emu-{digest}"
-        if not self.binary.exists():
-            (self.workdir / "k.cpp").write_text(src)
-            out = subprocess.run(["g++", "-std=c++17", "-O1", "-w", f"-I{CUDA_INCLUDE}",
-                                  "-o", str(self.binary) + ".tmp", str(self.workdir / "k.cpp")],
-                                 capture_output=True, text=True)
-            if out.returncode:
-                raise RuntimeError(f"g++ failed:\n{out.stderr[-5000:]}")
-            os.replace(str(self.binary) + ".tmp", self.binary)
+        (self.workdir / "k.cpp").write_text("\n".join(code))
+        self.binary = self.workdir / "k"
+        out = subprocess.run(["g++", "-std=c++17", "-O1", "-w", f"-I{CUDA_INCLUDE}", "-o", str(self.binary),
+                              str(self.workdir / "k.cpp")], capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"g++ failed:\n{out.stderr[-5000:]}")
 
     @staticmethod
     def _key(template):
