@@ -19,6 +19,11 @@ from mlxserve.cache import paged_attention as paged
 from mlxserve.cache.paged_attention import _combine, paged_attention, partitions
 
 TOL = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+if mx.default_device().type == mx.gpu:
+    # MLX runs float32 matmuls in TF32 on GPUs that have it (MLX_ENABLE_TF32, on by default): the
+    # reference's unfused path (masked rows) is then good to about 1e-3. A misread block or a missed
+    # mask is off by far more (the garbage around the rows' KV is 50 times larger).
+    TOL[mx.float32] = 5e-3
 
 
 def make_case(seed, *, B, kv_heads, group, D, S, L, dtype=mx.float32, min_len=1, max_len=80, shared=2,
