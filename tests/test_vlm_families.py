@@ -46,3 +46,23 @@ def test_ernie_media_tokens_go_to_their_experts_in_every_chunk(tmp_path):
     text_experts = vision.inputs  # every token through the text experts: what a missing token_type_ids does
     vision.inputs = lambda t, s: {k: v for k, v in text_experts(t, s).items() if k != "token_type_ids"}
     assert np.abs(chunked_logits(vision, ids, images) - want).max() > 0.1
+
+
+def test_cohere_compass_images_are_mlx_vlms():
+    """Cohere Compass's patches, made in numpy off the engine thread, are its mlx-vlm processor's
+    (which returns MLX arrays), grid and token count too, over sizes and aspects."""
+    from mlx_vlm.models.cohere_compass.processing_cohere_compass import CohereCompassImageProcessor
+
+    from mlxserve.models.tiny_vlm import tiny_vlm_config
+    from mlxserve.models.vlm_images import CompassImages
+
+    config = tiny_vlm_config("cohere_compass")
+    ours = CompassImages(config, config["preprocessor_config"])
+    theirs = CohereCompassImageProcessor(config={"vision_config": config["vision_config"]},
+                                         **config["preprocessor_config"])
+    for size in [(100, 120), (90, 80), (33, 200), (300, 41)]:
+        image = picture(2, size)
+        want, inp = theirs(images=[image]), ours.layout(image)
+        assert [list(inp.grid_thw)] == np.asarray(want["image_grid_thw"]).tolist()
+        assert inp.num_tokens == np.prod(inp.grid_thw) // 4
+        np.testing.assert_allclose(ours.pixels(image), np.asarray(want["pixel_values"]), atol=1e-6)

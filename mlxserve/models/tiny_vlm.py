@@ -171,6 +171,11 @@ ADAPTER_PREPROCESSORS = {"qwen2_vl": SHAPES["qwen2.5-vl-tiny"]["preprocessor_con
 OVERRIDES: dict[str, dict] = {
     # Tiles of (64 / (16 x 2))^2 = 4 tokens (its processor's img_size, patch_size, downsample_factor).
     "aya_vision": {"downsample_factor": 2, "vision_config": {"model_type": "siglip_vision_model"}},
+    # Deepstack rows from both tower blocks; sliding and full layers; M-RoPE sections of a 16-wide head.
+    "cohere_compass": {"vision_config": {"deepstack_visual_indexes": [0, 1]},
+                       "text_config": {"layer_types": ["sliding_attention", "full_attention"] * 2,
+                                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                           "mrope_section": [2, 3, 3]}}},
     "dots_ocr": {"vision_config": {"hidden_size": HIDDEN}},  # its tower's output width (embed_dim is its own)
     # Pixtral's [IMG_BREAK] and [IMG_END] (its processor's texts, not config ids in real configs); the
     # tower's rotary table covers image_size / patch_size patches a side, as far as the processor's

@@ -133,8 +133,6 @@ def _text_only() -> str:
 VLM_REFUSED: dict[str, str] = {
     # vision-language models
     "clef": DECISION,
-    "cohere_compass": NOT_YET.format(what="its get_input_embeddings gives deepstack features in a form of its "
-                                          "own and an attention mask, which the generic adapter does not pass on"),
     "colidefics3": EMBEDDING,
     "colqwen2_5": EMBEDDING,
     "d1": DECISION,

@@ -100,6 +100,9 @@ FAMILIES = {
     "glm_ocr": Family("Glm4vImageProcessorPil", ("image_start_token_id", "image_end_token_id"),
                       tiny_preprocessor=QWEN_TINY),
     # dots.ocr: its template's image marks are plain text, not ids in its config.
+    # Cohere Compass: Qwen3-VL's layout (a patch grid between its vision marks, deepstack rows).
+    "cohere_compass": Family("cohere_compass", ("vision_start_token_id", "vision_end_token_id"),
+                             tiny_preprocessor=QWEN_TINY | {"min_pixels": 1024, "max_pixels": 16384}),
     "dots_ocr": Family("Qwen2VLImageProcessorPil", ("<|img|>", "<|endofimg|>"), tiny_preprocessor=QWEN_TINY),
     "indic_ocr": QWEN3,  # Qwen3.5 with an Indic vocabulary
     # MiMo-V2.6 (omni: its audio tower is not served): Qwen2.5-VL's image layout, one (1, h, w) grid an image.
@@ -215,7 +218,8 @@ def family_of(config: dict) -> Family | None:
 # What get_input_embeddings may return beside the embeddings; a family giving more
 # (cross-attention states, encoder outputs) does not fit this path.
 _KNOWN_FEATURES = {"inputs_embeds", "position_ids", "rope_deltas", "per_layer_inputs", "visual_pos_masks",
-                   "deepstack_visual_embeds", "attention_mask_4d"}
+                   "deepstack_visual_embeds", "attention_mask_4d",
+                   "attention_mask"}  # the mask it was given, given back (Cohere Compass)
 
 
 def _qwen3_5_row_caches() -> None:
@@ -455,8 +459,9 @@ class GenericVLM(VisionAdapter):
             raise ValueError(f"{self.family}: mlx-vlm's get_input_embeddings also gives {sorted(extra)}, "
                              "which this adapter does not pass to the language model")
         rows = f.inputs_embeds[0]
-        if self.deepstack:
-            rows = mx.stack([rows, *f.deepstack_visual_embeds], axis=1)
+        if self.deepstack:  # a list of rows a layer, or Cohere Compass's wrapper of it (and its mask)
+            deep = f.deepstack_visual_embeds
+            rows = mx.stack([rows, *getattr(deep, "embeddings", deep)], axis=1)
         return rows
 
     def _media(self, ids):
@@ -534,8 +539,10 @@ class GenericVLM(VisionAdapter):
         # into those rows itself, one per vision block.
         grids = [im.grid_thw for im in images if im.video is None]
         videos = [im.grid_thw for im in images if im.video is not None]
+        # By name: Cohere Compass's takes no video grids.
         pos, delta = self.model.language_model.get_rope_index(
-            mx.array([token_ids]), mx.array(grids) if grids else None, mx.array(videos) if videos else None, None)
+            mx.array([token_ids]), image_grid_thw=mx.array(grids) if grids else None,
+            **({"video_grid_thw": mx.array(videos)} if videos else {}))
         if self.text_model.positions_last:
             pos = pos.transpose(2, 0, 1)
         delta = int(delta.reshape(-1)[0].item())

@@ -168,6 +168,46 @@ class PixtralImages:
         return [t for r in range(rows) for t in [image] * cols + [brk if r < rows - 1 else end]]
 
 
+class CompassImages:
+    """Cohere Compass: the image smart-resized to multiples of patch x merge (PIL bicubic), its
+    frame doubled on the temporal axis, cut into merge-ordered patches: mlx-vlm's
+    CohereCompassImageProcessor's steps, in numpy (it converts its output to MLX arrays)."""
+
+    def __init__(self, config: dict, pc: dict):
+        from mlx_vlm.models.cohere_compass.processing_cohere_compass import CohereCompassImageProcessor
+
+        self.proc = CohereCompassImageProcessor(config={"vision_config": config["vision_config"]},
+                                                **image_settings(pc))
+
+    def _grid(self, image) -> tuple[int, int]:
+        from mlx_vlm.models.cohere_compass.processing_cohere_compass import smart_resize
+
+        p = self.proc
+        return smart_resize(image.height, image.width, factor=p.patch_size * p.merge_size, min_pixels=p.min_pixels,
+                            max_pixels=p.max_pixels)
+
+    def layout(self, image) -> ImageInput:
+        h, w = self._grid(image)
+        grid = (1, h // self.proc.patch_size, w // self.proc.patch_size)
+        return ImageInput(None, grid, math.prod(grid) // self.proc.merge_size**2)
+
+    def pixels(self, image) -> np.ndarray:
+        from PIL import Image
+
+        p, (h, w) = self.proc, self._grid(image)
+        x = np.asarray(image.convert("RGB").resize((w, h), Image.Resampling.BICUBIC), np.float32).transpose(2, 0, 1)
+        x = (x * p.rescale_factor - np.asarray(p.image_mean)[:, None, None]) / np.asarray(p.image_std)[:, None, None]
+        t, m, s = p.temporal_patch_size, p.merge_size, p.patch_size
+        x = np.repeat(x[None, None], t, axis=1).reshape(1, 1, t, 3, h // s // m, m, s, w // s // m, m, s)
+        return x.transpose(0, 1, 4, 7, 5, 8, 3, 2, 6, 9).reshape(h * w // s // s, 3 * t * s * s)
+
+    @staticmethod
+    def image_kwargs(inp: ImageInput) -> dict:
+        import mlx.core as mx
+
+        return {"image_grid_thw": mx.array([inp.grid_thw])}
+
+
 class KimiImages:
     """Kimi-VL, Kimi K2.5 (MoonViT): the image scaled under a patch budget and cropped or padded to
     multiples of patch x merge kernel (the `rescale` of mlx-vlm's processor for the family, PIL),
@@ -307,7 +347,7 @@ def image_processor(name: str, config: dict, pc: dict):
 
 
 PROCESSORS = {
-    "qwen": QwenImages, "gemma4": Gemma4Images, "pixtral": PixtralImages,
+    "qwen": QwenImages, "gemma4": Gemma4Images, "cohere_compass": CompassImages, "pixtral": PixtralImages,
     "kimi_vl": partial(KimiImages, "mlx_vlm.models.kimi_vl.processing_kimi_vl:KimiVLImageProcessor"),
     "kimi_k25": partial(KimiImages, "mlx_vlm.models.kimi_k25.processing_kimi_k25:KimiK25ImageProcessor"),
     # Several tower inputs an image (models/vlm_layouts.py)
