@@ -139,15 +139,26 @@ def test_kernel_matches_sdpa_on_contiguous_kv(kernel, params):
     assert max_error(case, keys, values, kernel) < TOL[params[7]]
 
 
+# Lone long rows: the launch splits their keys into partitions and merges them (with a window and a
+# prefill chunk too, whose queries then straddle partitions).
+LONG_ROWS = {
+    "long-row": dict(B=1, kv_heads=1, group=4, D=128, S=16, L=1, min_len=2000, max_len=2500, shared=0),
+    "long-window-chunk": dict(B=1, kv_heads=1, group=2, D=64, S=16, L=3, min_len=1500, max_len=2000, shared=0,
+                              window=700),
+}
+
+
+def _long_case(name):
+    case, keys, values = make_case(11, **LONG_ROWS[name])
+    assert paged.launch_shape(case["queries"], case["k_pool"], case["block_tables"])[2] > 1
+    return case, keys, values
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_kernel_splits_long_rows_into_partitions(kernel):
-    """A lone long row: the launch splits its keys into partitions and merges them."""
-    case, keys, values = make_case(11, **LONG_ROW)
-    assert partitions(1, 1, 1, case["block_tables"].shape[1], 16)[0] > 1
+@pytest.mark.parametrize("name", LONG_ROWS)
+def test_kernel_splits_long_rows_into_partitions(kernel, name):
+    case, keys, values = _long_case(name)
     assert max_error(case, keys, values, kernel) < TOL[mx.float32]
-
-
-LONG_ROW = dict(B=1, kv_heads=1, group=4, D=128, S=16, L=1, min_len=2000, max_len=2500, shared=0)
 
 
 @pytest.fixture(scope="module")
@@ -158,25 +169,23 @@ def emulated_cuda_kernel():
     if not cuda_emulator.available():
         pytest.skip("g++ or the CUDA toolkit's headers (cuda_bf16.h) are missing: the CUDA source cannot be "
                     "built for the CPU emulator")
-    shapes = [(p[7], p[4], p[5], p[3] * p[6]) for p in CASES] + [(mx.float32, 128, 16, 4)]
+    shapes = [(p[7], p[4], p[5], p[3] * p[6]) for p in CASES]
+    shapes += [(mx.float32, c["D"], c["S"], c["group"] * c["L"]) for c in LONG_ROWS.values()]
     instances = sorted({(("T", t), ("D", d), ("S", s), ("W", paged.warps_per_block(rows)))
                         for t, d, s, rows in shapes}, key=str)
     return cuda_emulator.EmulatedKernel(paged._INPUTS, paged._OUTPUTS, paged._CUDA_SOURCE, paged._CUDA_HEADER,
                                         instances, ["T", "T", "T", mx.int32, mx.int32, mx.int32, mx.float32])
 
 
-@pytest.mark.parametrize("params", CASES + ["long"], ids=lambda p: "long-row" if p == "long" else f"seed{p[0]}")
+@pytest.mark.parametrize("params", CASES + list(LONG_ROWS), ids=lambda p: p if isinstance(p, str) else f"seed{p[0]}")
 def test_cuda_kernel_source_on_a_cpu_emulator(params, emulated_cuda_kernel, monkeypatch):
     """The CUDA kernel's own text, launched as paged_attention launches it and merged by `_combine`,
-    with the GPU's warps emulated by threads: its indexing, masks and partitions, here on every run."""
+    with the GPU's warps emulated on the CPU: its indexing, masks and partitions, here on every run."""
     monkeypatch.setattr(paged, "_cuda_kernel", lambda: emulated_cuda_kernel)
-    if params == "long":
-        case, keys, values = make_case(11, **LONG_ROW)
-        assert partitions(1, 1, 1, case["block_tables"].shape[1], 16)[0] > 1
-        tol = TOL[mx.float32]
+    if isinstance(params, str):
+        (case, keys, values), tol = _long_case(params), TOL[mx.float32]
     else:
-        case, keys, values = _case(params)
-        tol = TOL[params[7]]
+        (case, keys, values), tol = _case(params), TOL[params[7]]
     assert max_error(case, keys, values, "cuda") < tol
 
 

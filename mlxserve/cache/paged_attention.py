@@ -152,13 +152,20 @@ def warps_per_block(rows_per_kv_head: int) -> int:
     return 1 if rows_per_kv_head == 1 else 2 if rows_per_kv_head == 2 else 4
 
 
-def paged_attention_kernel(queries, k_pool, v_pool, block_tables, kv_lens, scale, window, backend):
-    B, q_heads, L, D = queries.shape
+def launch_shape(queries, k_pool, block_tables) -> tuple[int, int, int, int]:
+    """(warps per thread block, thread blocks per (row, kv head), partitions, table blocks per partition)."""
+    B, q_heads, L, _ = queries.shape
     _, kv_heads, block_size, _ = k_pool.shape
     rows = (q_heads // kv_heads) * L  # query rows per kv head
     warps = warps_per_block(rows)
     tiles = -(-rows // warps)
-    n_parts, per_part = partitions(B, kv_heads, tiles, block_tables.shape[1], block_size)
+    return (warps, tiles) + partitions(B, kv_heads, tiles, block_tables.shape[1], block_size)
+
+
+def paged_attention_kernel(queries, k_pool, v_pool, block_tables, kv_lens, scale, window, backend):
+    B, q_heads, L, D = queries.shape
+    _, kv_heads, block_size, _ = k_pool.shape
+    warps, tiles, n_parts, per_part = launch_shape(queries, k_pool, block_tables)
     params = mx.array([per_part, window or 0], dtype=mx.int32)
     qscale = mx.array([scale * LOG2E], dtype=mx.float32)
     build = _cuda_kernel if backend == "cuda" else _metal_kernel
