@@ -69,8 +69,11 @@ def own_forward(loaded, prompt, n):
     vision, (ids, images) = loaded.vision, prompt
     pixels = images[0].pixels
     inputs = {"pixel_values": mx.array(vision.pixels(pixels))}
-    if hasattr(vision, "images"):  # the generic adapter: its processor's other inputs (the grid)
-        inputs |= vision.images.image_kwargs(pixels)
+    layout = getattr(vision, "images", None)  # the generic adapter's image processor
+    if hasattr(layout, "prompt_kwargs"):  # its processor's other inputs point into the ids (positions, masks)
+        inputs |= layout.prompt_kwargs(pixels, images[0].start, len(ids))
+    elif layout is not None:  # its processor's other inputs (the grid)
+        inputs |= layout.image_kwargs(pixels)
     elif pixels.grid_thw is not None:
         inputs["image_grid_thw"] = mx.array([pixels.grid_thw])
     if hasattr(vision, "mlx_vlm_ids"):  # the ids as mlx-vlm's processor gives them (Phi-4-MM's -200)

@@ -154,7 +154,7 @@ def _processor_spans_tokens(config: dict, family) -> None:
     config["added_tokens"] = list(dict.fromkeys([*family.own.tokens, *added]))
     image = getattr(proc, "image_token_id", None)
     if not isinstance(image, int):
-        image = tokenizer.convert_tokens_to_ids(family.placeholder or proc.image_token)
+        image = tokenizer.convert_tokens_to_ids(family.own.image_token or family.placeholder or proc.image_token)
     for key in family.image_token:
         if key in config:
             config[key] = image
@@ -239,6 +239,12 @@ OVERRIDES: dict[str, dict] = {
                "audio_processor": {"config": {"attention_dim": 32, "attention_heads": 2, "num_blocks": 1,
                                               "linear_units": 64, "ext_pw_out_channel": 32, "conv_channels": 32,
                                               "depthwise_seperable_out_channel": 32, "input_size": 80}}},
+    # 84 px crops of 6 x 6 patches, pooled to 3 x 3 tokens; its image tokens past the text vocabulary.
+    "molmo": {"text_config": {"mlp_hidden_size": 128, "embedding_size": QWEN_VOCAB, "additional_vocab_size": 128},
+              "vision_config": {"image_default_input_size": [84, 84], "image_num_pos": 37, "image_emb_dim": VISION_WIDTH,
+                                "image_num_heads": 2, "image_num_key_value_heads": 2, "image_num_layers": 2,
+                                "image_head_dim": 16, "image_mlp_dim": 64, "hidden_size": 64, "d_model": HIDDEN,
+                                "vit_layers": [-1, -2], "intermediate_size": 14 * 14 * 3}},
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
     # The processor's fixed sizes: a 728 px image, 14 px patches, downsampled 4x a side to 13 x 13 tokens.

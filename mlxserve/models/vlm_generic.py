@@ -195,6 +195,17 @@ FAMILIES = {
                       image_processor="SmolVLMImageProcessorPil",
                       tiny_preprocessor={"size": {"longest_edge": 128}, "max_image_size": {"longest_edge": 64},
                                          "processor_config": {"image_seq_len": 4}}),
+    # Crops (overlapping windows of a grid picked by the image's aspect) and the whole image, pooled 2 x 2,
+    # rows of patch tokens ended by a column token, each between its marks, before the text; its
+    # processor's image_input_idx places each row (models/vlm_spans.py positions).
+    "molmo": Family("mlx_vlm.models.molmo.processing_molmo:MolmoProcessor", (None, None), placeholder="",
+                    image_processor="mlx_vlm.models.molmo.processing_molmo:MolmoImageProcessor",
+                    tiny_preprocessor={"base_image_input_size": [84, 84], "image_patch_size": 14,
+                                       "image_token_length_w": 3, "image_token_length_h": 3, "max_crops": 2,
+                                       "overlap_margins": [2, 2]},
+                    own=ProcessorSpec(tokens=("<im_patch>", "<im_col>", "<im_start>", "<im_end>"),
+                                      inputs=("image_input_idx", "image_masks"), positions=("image_input_idx",),
+                                      image_token="<im_patch>")),
     # Rows of image tokens and breaks: no tokens around them.
     "pixtral": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 64}}),
     "mistral3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),
@@ -367,7 +378,10 @@ class GenericVLM(VisionAdapter):
         if self.family in MODEL_FIXES:  # mlx-vlm's model mended (models/vlm_layouts.py)
             MODEL_FIXES[self.family](model, self.images)
         self.text_model.positions_last = spec.positions == "last"
-        self.image_token_id = self._token_id(config, spec.image_token)
+        if spec.own is not None and spec.own.image_token:  # a token the config does not name (Molmo's)
+            self.image_token_id = self.images.token_id()
+        else:
+            self.image_token_id = self._token_id(config, spec.image_token)
         self.expands = self._token_id(config, (spec.expands,)) if spec.expands else None
         self._wrap = (self._wrap_text(config, spec.wrap[0]), self.token_text(self.image_token_id),
                       self._wrap_text(config, spec.wrap[1]))

@@ -27,6 +27,8 @@ class ProcessorSpec:
     inputs: tuple[str, ...] = ()  # its other outputs get_input_embeddings takes (the rest are dropped)
     positions: tuple[str, ...] = ()  # of those, positions in its ids (negative: none)
     masks: tuple[str, ...] = ()  # of those, masks over its ids
+    # The token its image rows take, where the config names none (Molmo's <im_patch>).
+    image_token: str | None = None
 
 
 def build_processor(processor: str, pc: dict, tokenizer, image_processor: str | None = None):
@@ -58,16 +60,23 @@ class ProcessorSpans(OwnLayout):
         if len(self.tokenizer) != size:
             added = self.tokenizer.convert_ids_to_tokens(list(range(size, len(self.tokenizer))))
             raise ValueError(f"the tokenizer lacks the processor's tokens {added}")
-        missing = [t for t in spec.tokens if self.tokenizer.convert_tokens_to_ids(t) in (None, self.tokenizer.unk_token_id)]
+        unknown = (None, self.tokenizer.unk_token_id)
+        missing = [t for t in spec.tokens if self.tokenizer.convert_tokens_to_ids(t) in unknown]
         if missing:
             raise ValueError(f"the tokenizer lacks the processor's tokens {missing}")
-        self.placeholder = placeholder or self.proc.image_token
+        # Molmo's processor puts the image before whatever text it is given: its placeholder is "".
+        self.placeholder = placeholder if placeholder is not None else self.proc.image_token
         self._bos = self.tokenizer("")["input_ids"]
+
+    def token_id(self) -> int:
+        return self.tokenizer.convert_tokens_to_ids(self.spec.image_token or self.placeholder)
 
     def _run(self, image) -> dict:
         out = self.proc(text=[self.placeholder], images=[image.convert("RGB")])
         keep = ("input_ids", self.spec.pixels, *self.spec.inputs)
-        return {k: np.asarray(out[k]) for k in keep if k in out and out[k] is not None}
+        # Copies: a view of an MLX array's buffer (Molmo's processor gives MLX arrays) does not
+        # keep its memory from being reused once the array is freed.
+        return {k: np.array(out[k], copy=True) for k in keep if k in out and out[k] is not None}
 
     def layout(self, image) -> ImageInput:
         out = self._run(image)
