@@ -2,9 +2,10 @@
 
 For kernels that sync only within a warp (`__syncwarp`, `__shfl_*_sync`) and return early only
 whole warps at a time: warps then run one after another, so `__shared__` can be a function
-static. The lanes are coroutines (ucontext) on one thread. Built with g++ against the CUDA toolkit's headers (host code of `__half`/`__nv_bfloat16`).
-The test suite uses it where no GPU is: the kernel's text, its launch and the merge around it
-run for real; only the hardware is emulated (no memory-model or timing effects).
+static, and a warp's lanes are coroutines (ucontext) on one thread. Built with g++ against the
+CUDA toolkit's headers (their host code of `__half` and `__nv_bfloat16`). The test suite uses it
+where no GPU is: the kernel's text, its launch and the merge around it run for real; only the
+hardware is emulated (no memory-model or timing effects).
 """
 
 from __future__ import annotations
