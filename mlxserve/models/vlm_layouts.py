@@ -1,9 +1,15 @@
-"""Image processors of generic-adapter families whose image is several tower inputs (tiles,
-crops) laid out as one run of image tokens between the family's marks: how the image is cut
-(numpy and PIL, off the engine thread), how many tokens it takes. Each follows mlx-vlm's own
-processor for the family, read from the files that processor reads. (vlm_images.py holds the
-single-input families' processors; vlm_images.OwnLayout the families whose processor puts
-text between the tiles.)"""
+"""Generic-adapter families beyond one tower input an image (models/vlm_generic.py FAMILIES):
+
+- image processors of families whose image is several tower inputs (InternVL's tiles) or one
+  fixed square (GOT-OCR 2.0), laid out as one run of image tokens between the family's marks:
+  how the image is cut (numpy and PIL, off the engine thread) and how many tokens it takes, as
+  mlx-vlm's own processor for the family does, read from the files that processor reads;
+- mends of mlx-vlm models the generic path needs (MODEL_FIXES, LAYER_FEATURES): LLaVA-NeXT's and
+  Granite Vision's merge, Granite 4 Vision's layer-wise image features.
+
+vlm_images.py holds the single-input families' processors, and vlm_images.OwnLayout the families
+whose own processor puts text between an image's tiles.
+"""
 
 from __future__ import annotations
 
@@ -195,7 +201,7 @@ def granite4_chunk_extras(out: dict, media, rows) -> dict:
     import mlx.core as mx
 
     at = mx.clip(mx.cumsum(media[0].astype(mx.int32)) - 1, 0, rows.shape[0] - 1)
-    full = mx.where(media[0][:, None, None], rows[at], mx.zeros_like(rows[at]))  # (chunk, layers, D)
+    full = mx.where(media[0][:, None, None], rows[at], 0).astype(rows.dtype)  # (chunk, layers, D)
     out["visual_pos_masks"] = ChunkRows(media)
     out["deepstack_visual_embeds"] = ChunkRows(full.transpose(1, 0, 2))
     return out
