@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mlxserve.engine import plans
 from mlxserve.engine.engine import AsyncEngine, EngineDeadError
 
 log = logging.getLogger("mlxserve.distributed")
@@ -96,12 +97,22 @@ def _all(op: str, values, dtype="int64", stream=None) -> np.ndarray:
     return np.array(out)
 
 
+def _gathered(values, dtype: str, stream) -> np.ndarray:
+    """Every rank's `values` as rows (all_gather: the one reduction every backend has, NCCL's too)."""
+    import mlx.core as mx
+
+    x = mx.array(np.asarray(values), dtype=getattr(mx, dtype))[None]
+    out = mx.distributed.all_gather(x, group=_group, stream=stream)
+    mx.eval(out)
+    return np.array(out)
+
+
 def all_min(flags, stream=None) -> np.ndarray:
-    return _all("all_min", flags, "int32", stream)
+    return _gathered(flags, "int32", stream).min(axis=0)
 
 
 def all_max(values, stream=None) -> np.ndarray:
-    return _all("all_max", values, "int64", stream)
+    return _gathered(values, "int64", stream).max(axis=0)
 
 
 def gather(obj, stream=None) -> list:
@@ -109,7 +120,7 @@ def gather(obj, stream=None) -> list:
     import mlx.core as mx
 
     data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-    sizes = _all("all_gather", [len(data)], "int64", stream)
+    sizes = _gathered([len(data)], "int64", stream)[:, 0]
     buf = np.zeros(int(sizes.max()), np.uint8)
     buf[: len(data)] = data
     rows = mx.distributed.all_gather(mx.array(buf)[None], group=_group, stream=stream)
@@ -220,7 +231,7 @@ def load_rank(model_cfg, engine_cfg):
     loaded.fingerprint = hashlib.sha256(
         f"{model_identity(loaded)}/{sharding.mode}{sharding.size}".encode()).hexdigest()
     log.info("rank %d: %s", sharding.rank, sharding.describe())
-    return loaded, sharding
+    return loaded, sharding, plans.connect(sharding.rank, sharding.size, gather)
 
 
 # ---- the engine ----
@@ -246,10 +257,13 @@ class DistributedEngine(AsyncEngine):
     """An AsyncEngine that runs its steps on every rank: rank 0's takes requests and sends each
     step's plan; the others' (`run_worker`) apply the plans they receive."""
 
-    def __init__(self, loaded, config, sharding):
+    def __init__(self, loaded, config, sharding, channel):
         from mlxserve.config import with_backend_defaults
 
         self.sharding = sharding
+        self.channel = channel  # the plans' socket(s) (engine/plans.py)
+        self._scheduler = None
+        self._stop_sent = False
         self.rank = sharding.rank
         config = with_backend_defaults(config)
         if config.warmup:  # its phases run when the engine idles: a time no two ranks share
@@ -288,7 +302,7 @@ class DistributedEngine(AsyncEngine):
 
     # ---- MLX thread ----
     def _setup(self):
-        scheduler = super()._setup()
+        scheduler = self._scheduler = super()._setup()
         scheduler.clock = lambda: self._plan_now  # rank 0's clock of this step, on every rank
         scheduler.step = self._guarded(scheduler.step)
         stream = _stream()
@@ -320,11 +334,14 @@ class DistributedEngine(AsyncEngine):
                 return step()
             except Exception as e:  # noqa: BLE001
                 # The same failure on every rank (a request's bad setting): fail the batch, as one
-                # device would. A lost rank (the collective raises too) or a failure here alone: fatal.
-                try:
-                    everywhere = int(all_min([1], _stream())[0]) == 1
-                except Exception:  # noqa: BLE001
-                    everywhere = False
+                # device would. A lost rank, or a failure here alone: fatal. (After the backend
+                # lost a peer no collective is tried: the ring backend may wait on it for good.)
+                everywhere = False
+                if not _peer_lost(e):
+                    try:
+                        everywhere = int(all_min([1], _stream())[0]) == 1
+                    except Exception:  # noqa: BLE001
+                        pass
                 if everywhere:
                     raise
                 self._lost(f"a rank failed during an engine step: {e}")
@@ -332,6 +349,8 @@ class DistributedEngine(AsyncEngine):
         return guarded
 
     def _lost(self, message: str) -> None:
+        if self._stop_sent:  # the ranks end because rank 0 told them to
+            return
         if self.fatal_error is None:
             self.fatal_error = message
             log.error("%s", message)
@@ -356,19 +375,30 @@ class DistributedEngine(AsyncEngine):
                     arg = (_portable(request), max_tokens)
                 plan.append((kind, arg))
             payload = (time.perf_counter(), plan)
+            self._stop_sent = any(kind == "stop" for kind, _ in plan)
         else:
             payload = None
-        wd = self.watchdog
-        last = wd.last_step_s
-        wd.begin()  # a rank that hangs holds this too: the watchdog then fails the requests
         try:
-            now, plan = share(payload, self.rank, _stream())
-        except Exception as e:  # noqa: BLE001 - the ring backend raises when a peer is gone
+            if self._scheduler.has_work():  # the same on every rank: their states are the same
+                # Busy: over the plan socket, which waits for no device (engine/plans.py).
+                if self.rank == 0:
+                    self.channel.send(payload)
+                    now, plan = payload
+                else:
+                    now, plan = self.channel.recv()
+            else:
+                # Idle: as a collective, which a hung rank holds, so the watchdog tells (health).
+                wd = self.watchdog
+                last = wd.last_step_s
+                wd.begin()
+                try:
+                    now, plan = share(payload, self.rank, _stream())
+                finally:
+                    wd.end()
+                    wd.last_step_s = last
+        except Exception as e:  # noqa: BLE001 - a closed socket, or the ring backend's lost peer
             self._lost(f"lost contact with the other ranks: {e}")
             return [("stop", None)]
-        finally:
-            wd.end()
-            wd.last_step_s = last
         self._plan_now = now
         if self.rank == 0:
             return local
@@ -423,6 +453,13 @@ class DistributedEngine(AsyncEngine):
         out["distributed"] = {"ranks": self.sharding.size, "parallel": self.sharding.mode,
                               "per_rank": [_rank_summary(s) for s in every]}
         return out
+
+
+def _peer_lost(error: Exception) -> bool:
+    """Whether MLX's distributed backend raised this for a peer it lost (ring: "[ring] connection
+    to a peer was lost"; the others name themselves the same way)."""
+    text = str(error).lower()
+    return any(f"[{b}]" in text for b in ("ring", "jaccl", "mpi", "nccl")) or "peer" in text
 
 
 def _portable(request):
@@ -499,9 +536,10 @@ def _rank() -> int:
 def run_worker(model_cfg, engine_cfg) -> int:
     """A rank past 0: load its part, run the engine on rank 0's plans until rank 0 stops (0) or
     is lost (1). It serves nothing itself."""
-    loaded, sharding = load_rank(model_cfg, engine_cfg)
-    engine = DistributedEngine(loaded, engine_cfg, sharding).start()
+    loaded, sharding, channel = load_rank(model_cfg, engine_cfg)
+    engine = DistributedEngine(loaded, engine_cfg, sharding, channel).start()
     engine._thread.join()
+    channel.close()
     if engine.fatal_error:
         log.error("rank %d stops: %s", sharding.rank, engine.fatal_error.strip().splitlines()[0])
         return 1
@@ -510,8 +548,10 @@ def run_worker(model_cfg, engine_cfg) -> int:
 
 def start_rank0(model_cfg, engine_cfg):
     """Rank 0's model and engine (the server's model pool calls this)."""
-    loaded, sharding = load_rank(model_cfg, engine_cfg)
-    return loaded, DistributedEngine(loaded, engine_cfg, sharding).start()
+    loaded, sharding, channel = load_rank(model_cfg, engine_cfg)
+    engine = DistributedEngine(loaded, engine_cfg, sharding, channel).start()
+    channel.watch(lambda rank: engine._lost(f"rank {rank} is gone: its connection to rank 0 closed"))
+    return loaded, engine
 
 
 def serve_ranks(models, server_cfg, pool_cfg, serve) -> int:

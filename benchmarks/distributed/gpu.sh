@@ -1,0 +1,110 @@
+#!/bin/bash
+# One vs two GPUs (NCCL) serving one model, as docs/distributed.md describes; run from the
+# repository root on the 2-GPU machine once MLX is installed (/work/shared/gpu/README.md).
+# Writes into RESULTS: the collectives' costs, `mlxserve bench serve` results (1 GPU and 2
+# GPUs side by side, per model) and the servers' logs. SMALL/BIG/HUGE name the models;
+# BACKEND=ring (with CPU ranks) dry-runs it on a CPU with tiny models.
+#   benchmarks/distributed/gpu.sh RESULTS
+set -u
+R=${1:?results folder}
+mkdir -p "$R"
+BACKEND=${BACKEND:-nccl}
+M=${MODELS:-$HOME/models}
+SMALL=${SMALL:-qwen3-4b}
+BIG=${BIG:-benchmarks/distributed/qwen3-32b.json}
+HUGE=${HUGE:-benchmarks/distributed/qwen2-45b.json}
+DTYPE=${DTYPE:-bfloat16}
+LOW=${LOW:-1,4}; LOW_N=${LOW_N:-8}; HIGH=${HIGH:-16,32}; HIGH_N=${HIGH_N:-32}; OUT_LEN=${OUT_LEN:-64}
+PY=${PY:-python3}
+QUANT=${QUANT---quantize 4}  # empty: unquantized (a CPU dry run's tiny models)
+mkdir -p "$M"
+log() { echo "$(date +%T) $*" | tee -a "$R/progress.log"; }
+
+rank_env() {  # rank world-size port: what mlx.launch sets for this backend
+  if [ "$BACKEND" = nccl ]; then
+    echo "CUDA_VISIBLE_DEVICES=$1 MLX_RANK=$1 MLX_WORLD_SIZE=$2 NCCL_HOST_IP=127.0.0.1 NCCL_PORT=$(( $3 + 100 ))"
+  else
+    local hf="$R/hosts-$3.json"
+    $PY -c "import json,sys; n,p=int(sys.argv[1]),int(sys.argv[2]); print(json.dumps([[f'127.0.0.1:{p+200+i}'] for i in range(n)]))" "$2" "$3" > "$hf"
+    echo "MLX_RANK=$1 MLX_HOSTFILE=$hf"
+  fi
+}
+
+serve() {  # ranks port model args...: start the ranks in the background
+  local n=$1 port=$2 model=$3; shift 3
+  for r in $(seq 0 $(( n - 1 ))); do
+    if [ "$n" = 1 ]; then env_=""; [ "$BACKEND" = nccl ] && env_="CUDA_VISIBLE_DEVICES=0"
+    else env_=$(rank_env "$r" "$n" "$port"); fi
+    env $env_ setsid $PY -m mlxserve serve "$model" --port "$port" --max-num-seqs 32 --warmup 0 "$@" \
+      > "$R/serve-$port-r$r.log" 2>&1 &
+    echo $! >> "$R/pids-$port"
+  done
+}
+
+wait_up() {  # port seconds
+  for _ in $(seq 1 $(( $2 * 2 ))); do
+    curl -sf "http://127.0.0.1:$1/health" | grep -q '"status":"ok"' && return 0
+    for p in $(cat "$R/pids-$1"); do
+      kill -0 "$p" 2>/dev/null || { log "a rank of the server on $1 exited"; return 1; }
+    done
+    sleep 0.5
+  done
+  log "server on $1 did not start"; return 1
+}
+
+stop() {  # port
+  [ -f "$R/pids-$1" ] && for p in $(cat "$R/pids-$1"); do kill "$p" 2>/dev/null; done
+  sleep 3
+  [ -f "$R/pids-$1" ] && for p in $(cat "$R/pids-$1"); do kill -9 "$p" 2>/dev/null; done
+  rm -f "$R/pids-$1"
+}
+
+bench() {  # label urls labels
+  $PY -m mlxserve bench serve --url "$2" --label "$3" --endpoint completions --input-len 128 \
+    --output-len "$OUT_LEN" --concurrency "$LOW" --requests "$LOW_N" --out-dir "$R" > "$R/bench-$1-low.txt" 2>&1
+  $PY -m mlxserve bench serve --url "$2" --label "$3" --endpoint completions --input-len 128 \
+    --output-len "$OUT_LEN" --concurrency "$HIGH" --requests "$HIGH_N" --out-dir "$R" > "$R/bench-$1-high.txt" 2>&1
+}
+
+stats() {  # port file: every rank's memory and the cache's, as the server reports them
+  curl -s "http://127.0.0.1:$1/v1/cache/stats" > "$R/$2" || true
+}
+
+log "collectives ($BACKEND)"
+for r in 0 1; do
+  env $(rank_env "$r" 2 29400) $PY benchmarks/distributed/collectives.py "$BACKEND" > "$R/collectives-r$r.json" 2> "$R/collectives-r$r.err" &
+done
+wait
+
+log "models: $SMALL and $BIG as 4-bit folders"
+[ -d "$M/small" ] || $PY -m mlxserve convert --load-format dummy "$SMALL" $QUANT --dtype "$DTYPE" --out-dir "$M/small" > "$R/convert-small.log" 2>&1 &
+# On the host's memory: 32B in bf16 and its 4-bit copy at once do not fit one 80 GB GPU.
+[ -d "$M/big" ] || $PY -c "import sys, mlx.core as mx; mx.set_default_device(mx.cpu); from mlxserve.cli import main; sys.exit(main(sys.argv[1:]))" \
+  convert --load-format dummy "$BIG" $QUANT --dtype "$DTYPE" --out-dir "$M/big" > "$R/convert-big.log" 2>&1 &
+wait
+log "converted"
+
+for which in small big; do
+  log "$which: 1 GPU (port 8101) and 2 GPUs tensor parallel (port 8102)"
+  serve 1 8101 "$M/$which"
+  serve 2 8102 "$M/$which"
+  wait_up 8101 600 && wait_up 8102 600 || { stop 8101; stop 8102; continue; }
+  log "$which: up"
+  bench "$which" "http://127.0.0.1:8101/v1,http://127.0.0.1:8102/v1" "1gpu,2gpu-tp"
+  stats 8101 "stats-$which-1gpu.json"; stats 8102 "stats-$which-2gpu.json"
+  log "$which: measured"
+  stop 8101; stop 8102
+done
+
+if [ "${SKIP_HUGE:-0}" = 0 ]; then
+  log "huge: $HUGE ($DTYPE) across 2 GPUs, pipeline parallel"
+  serve 2 8103 "$HUGE" --load-format dummy --dtype "$DTYPE" --parallel pipeline
+  if wait_up 8103 900; then
+    log "huge: up"
+    LOW=1,4 LOW_N=4 HIGH=16 HIGH_N=16 bench huge "http://127.0.0.1:8103/v1" "2gpu-pipeline"
+    stats 8103 "stats-huge-2gpu.json"
+    log "huge: measured"
+  fi
+  stop 8103
+fi
+log "done"
