@@ -158,6 +158,8 @@ def _processor_spans_tokens(config: dict, family) -> None:
     for key in family.image_token:
         if key in config:
             config[key] = image
+    for key, text in (family.own.config_tokens or {}).items():
+        config[key] = tokenizer.convert_tokens_to_ids(text)
     vocab = max(QWEN_VOCAB, len(tokenizer) + 64 - len(tokenizer) % 64)
     config["vocab_size"] = config["text_config"]["vocab_size"] = vocab
 
@@ -245,6 +247,13 @@ OVERRIDES: dict[str, dict] = {
                                 "image_num_heads": 2, "image_num_key_value_heads": 2, "image_num_layers": 2,
                                 "image_head_dim": 16, "image_mlp_dim": 64, "hidden_size": 64, "d_model": HIDDEN,
                                 "vit_layers": [-1, -2], "intermediate_size": 14 * 14 * 3}},
+    # 84 px crops of 6 x 6 patches, pooled to 3 x 3 tokens (its family's tiny_preprocessor).
+    "molmo2": {"vision_config": {
+        "vit_config": {"hidden_size": VISION_WIDTH, "intermediate_size": 64, "num_hidden_layers": 2,
+                       "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "image_patch_size": 14,
+                       "image_num_pos": 36, "image_default_input_size": [84, 84]},
+        "adapter_config": {"hidden_size": VISION_WIDTH, "intermediate_size": 64, "text_hidden_size": HIDDEN,
+                           "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "vit_layers": [-1, -2]}}},
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
     # The processor's fixed sizes: a 728 px image, 14 px patches, downsampled 4x a side to 13 x 13 tokens.

@@ -158,7 +158,6 @@ VLM_REFUSED: dict[str, str] = {
     "minicpmv4_7": TILES,
     "mllama": ("cross-attention to the image (Llama 3.2 Vision): image states sit beside the prompt, not in it "
                "as token embeddings, so cached blocks cannot hold them"),
-    "molmo2": TILES,
     "molmo_point": TILES,
     "moondream2": TILES,
     "moondream3": TILES,

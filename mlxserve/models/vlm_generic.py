@@ -206,6 +206,17 @@ FAMILIES = {
                     own=ProcessorSpec(tokens=("<im_patch>", "<im_col>", "<im_start>", "<im_end>"),
                                       inputs=("image_input_idx", "image_masks"), positions=("image_input_idx",),
                                       image_token="<im_patch>")),
+    # The whole image, then its crops, pooled 2 x 2, rows of patch tokens ended by a column token,
+    # each between its marks (Idefics3's way: its processor and image processor).
+    "molmo2": Family("mlx_vlm.models.molmo2.processing:Molmo2Processor", (None, None),
+                     image_processor="mlx_vlm.models.molmo2.processing:Molmo2ImageProcessor", placeholder="<|image|>",
+                     tiny_preprocessor={"size": {"height": 84, "width": 84}, "max_crops": 2, "overlap_margins": [2, 2],
+                                        "patch_size": 14, "pooling_size": [2, 2]},
+                     own=ProcessorSpec(tokens=("<|image|>", "<im_patch>", "<im_col>", "<im_start>", "<low_res_im_start>",
+                                               "<im_end>"),
+                                       inputs=("image_token_pooling", "image_grids", "image_num_crops"),
+                                       image_token="<im_patch>",
+                                       config_tokens={"image_patch_id": "<im_patch>", "image_end_token_id": "<im_end>"})),
     # Rows of image tokens and breaks: no tokens around them.
     "pixtral": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 64}}),
     "mistral3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),

@@ -29,6 +29,9 @@ class ProcessorSpec:
     masks: tuple[str, ...] = ()  # of those, masks over its ids
     # The token its image rows take, where the config names none (Molmo's <im_patch>).
     image_token: str | None = None
+    # Config keys of token ids the model reads, by their text (Molmo2's image_patch_id: "<im_patch>"):
+    # tiny configs set them to the tiny tokenizer's ids.
+    config_tokens: dict | None = None
 
 
 def build_processor(processor: str, pc: dict, tokenizer, image_processor: str | None = None):
