@@ -114,9 +114,10 @@ TILES = NOT_YET.format(what="its processor cuts an image into tiles or crops (an
 # ids, one a row), so a family whose processor marks images with ids outside the vocabulary cannot be.
 OUTSIDE_VOCABULARY = ("its prompt marks an image with {what}, not with a token of its vocabulary: mlxserve lays "
                       "a prompt out as its tokenizer's ids, one for each row the language model reads")
-# Families whose processor only their checkpoints' remote code has.
-NO_PROCESSOR = ("mlx-vlm ships no processor for it (its checkpoints' remote code has one, which mlxserve does not "
-                "run): how an image is cut into the tower's input and how many tokens it takes are defined there")
+# Families whose processor mlx-vlm does not have.
+NO_PROCESSOR = ("mlx-vlm ships no processor for it (it takes whatever its checkpoint names through transformers' "
+                "AutoProcessor): how an image is cut into the tower's input and how many tokens it takes are not in "
+                "mlx-vlm, so mlxserve has no layout to follow or to test against")
 AUDIO = NOT_YET.format(what="an omni model (audio and image towers); its image layout (tiles and their tokens) has "
                             "no adapter")
 
