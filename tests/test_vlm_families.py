@@ -4,6 +4,7 @@ them by less than their margin. Here prompt chunks' logits are compared with mlx
 whole-prompt pass, and the input is shown to matter."""
 
 import numpy as np
+import pytest
 
 from test_vlm import mlx_vlm_forward, picture
 from test_vlm_architectures import load_config, user
@@ -26,16 +27,19 @@ def chunked_logits(vision, ids, images, step=5):
     return np.array(logits[0, -1])
 
 
-def test_ernie_media_tokens_go_to_their_experts_in_every_chunk(tmp_path):
-    """ERNIE 4.5 VL routes an image's tokens to its media experts (token_type_ids, as its
-    Model.__call__ gives them) at 3-D rotary positions kept axes-last: chunked prefill gives
-    mlx-vlm's whole-prompt logits, and without the token types they are not."""
+@pytest.mark.parametrize("model_type, media_mask", [("ernie4_5_moe_vl", "token_type_ids"),
+                                                     ("zaya1_vl", "visual_pos_masks")])
+def test_media_tokens_are_marked_in_every_chunk(model_type, media_mask, tmp_path):
+    """ERNIE 4.5 VL routes an image's tokens to its media experts (token_type_ids, at 3-D rotary
+    positions kept axes-last), ZAYA1-VL applies its vision LoRA to them (visual_pos_masks), as
+    their Model.__call__ marks them: chunked prefill gives mlx-vlm's whole-prompt logits, and
+    without the mark it does not."""
     import mlx.core as mx
 
     from mlxserve.models.tiny_vlm import tiny_vlm_config
     from mlxserve.multimodal.prompt import chat_prompt
 
-    loaded = load_config(tiny_vlm_config("ernie4_5_moe_vl"), tmp_path)
+    loaded = load_config(tiny_vlm_config(model_type), tmp_path)
     vision = loaded.vision
     ids, images = chat_prompt(loaded, user(picture(7), "What is in this picture? Say it in a few words."))
     pixels = images[0].pixels
@@ -43,8 +47,8 @@ def test_ernie_media_tokens_go_to_their_experts_in_every_chunk(tmp_path):
     want = np.array(mlx_vlm_forward(vision, ids, **inputs)[0])
     assert np.abs(chunked_logits(vision, ids, images) - want).max() < 1e-3
 
-    text_experts = vision.inputs  # every token through the text experts: what a missing token_type_ids does
-    vision.inputs = lambda t, s: {k: v for k, v in text_experts(t, s).items() if k != "token_type_ids"}
+    marked = vision.inputs  # no mark: every token as text (text experts, no LoRA)
+    vision.inputs = lambda t, s: {k: v for k, v in marked(t, s).items() if k != media_mask}
     assert np.abs(chunked_logits(vision, ids, images) - want).max() > 0.1
 
 

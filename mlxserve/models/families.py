@@ -14,7 +14,11 @@ SERIAL_PREFILL = frozenset({"jamba", "olmo_hybrid", "nemotron_h", "mamba", "baic
 # The same for mlx-vlm's language models (vision-language folders): mlx-vlm 0.7.10's Qwen3.5
 # runs a padded batch row by row (qwen3_5/language.py, Qwen3_5Model.__call__) and each row
 # takes its right padding into its recurrent state (tests/test_vlm.py, the mixed batch).
-SERIAL_PREFILL_VLM = frozenset({"qwen3_5", "qwen3_5_moe", "indic_ocr"})  # (the last two: Qwen3.5's language model)
+# ZAYA1-VL's CCA attention keeps a conv window and the last token's hidden state per layer, taken
+# from a chunk's last positions whatever the batch's lengths: a right-padded row keeps padding
+# (tests/test_vlm_architectures.py, zaya1_vl's batch of 3).
+SERIAL_PREFILL_VLM = frozenset({"qwen3_5", "qwen3_5_moe", "indic_ocr",  # (the last two: Qwen3.5's language model)
+                                "zaya1_vl"})
 
 
 def prefill_batch_size(config: dict, requested: int) -> int:

@@ -177,9 +177,6 @@ VLM_REFUSED: dict[str, str] = {
     "sam3_1": DETECTOR,
     "unlimited_ocr": TILES,
     "youtu_vl": NO_PROCESSOR,
-    "zaya1_vl": NOT_YET.format(what="its layers' caches are mlx-vlm's own pairs (CacheList) and its image "
-                                    "tokens take LoRA weights through a per-token mask"),
-    # other kinds of model
     "bert": ENCODER,
     "bonsai": IMAGE_GENERATOR,
     "d1_omni": DECISION,

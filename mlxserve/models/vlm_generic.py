@@ -66,9 +66,10 @@ class Family:
     # own index on all three axes (MiniCPM-o: its get_input_embeddings sets them so). "last": its
     # get_rope_index and language model keep the three axes last, (batch, seq, 3) (ERNIE 4.5 VL).
     positions: str | None = None
-    # Its Model.__call__ gives the language model which tokens are media (token_type_ids: 1 for an
-    # image's tokens), and its image inputs: ERNIE 4.5 VL routes media tokens to experts of their own.
-    token_types: bool = False
+    # The language model's argument saying which tokens of a chunk are media, as its Model.__call__
+    # gives it (with its image inputs): ERNIE 4.5 VL's token_type_ids (1: media experts), ZAYA1-VL's
+    # visual_pos_masks (its vision LoRA). Decode steps (text) pass none.
+    media_mask: str | None = None
     # A config key of the one id mlx-vlm's merge expands into all of an image's rows (Phi-4-MM's
     # -200 index, which no tokenizer gives): the tower is given that id alone, the prompt a run of
     # image_token, one a row.
@@ -90,7 +91,7 @@ FAMILIES = {
     # positions with the axes last; media tokens through their own experts.
     "ernie4_5_moe_vl": Family("mlx_vlm.models.ernie4_5_moe_vl.processing_ernie4_5_moe_vl:ImageProcessor",
                               ("image_start_token_id", "image_end_token_id"), image_token=("im_patch_id",),
-                              positions="last", token_types=True,
+                              positions="last", media_mask="token_type_ids",
                               tiny_preprocessor={"min_pixels": 1024, "max_pixels": 16384, "patch_size": 16,
                                                  "merge_size": 2, "temporal_patch_size": 1}),
     "glm4v": GLM4V,
@@ -127,6 +128,9 @@ FAMILIES = {
                      tiny_preprocessor={"patch_size": 16, "min_num_patches": 4, "max_num_patches": 16}),
     # Inkling (its audio tower is not served): one image token a 32 px tile (tiny; 40 px in its checkpoints).
     "inkling": Family("inkling", (None, None), tiny_preprocessor={"patch_size": 32}),
+    # ZAYA1-VL: Qwen2.5-VL's layout; its vision LoRA applies to an image's tokens in every chunk.
+    "zaya1_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), media_mask="visual_pos_masks",
+                       tiny_preprocessor=QWEN_TINY),
     "mimo_v2": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY),
     "mage_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"),  # one frame a patch
                       tiny_preprocessor=QWEN_TINY | {"temporal_patch_size": 1}),
@@ -277,7 +281,29 @@ def _qwen3_5_row_caches() -> None:
 
 # Fixes for mlx-vlm code that meets mlx-lm's batch caches, by the module of the language model
 # class (or of a class it derives from: Qwen3.5 MoE's, IndicOCR's).
-_PATCHES = {"mlx_vlm.models.qwen3_5.language": _qwen3_5_row_caches}
+def _zaya_cache_pairs() -> None:
+    """Let mlx-vlm's ZAYA1 split mlx-lm's CacheList into its layer's KV and state caches.
+
+    Its `_split_cache` knows mlx-vlm's CacheList class only; given mlx-lm's (which
+    BatchGenerator merges and the prefix cache stores), it takes the pair for a KV cache,
+    and the layer fails. Here mlx-lm's pair is split as mlx-vlm's is.
+    """
+    import mlx_vlm.models.zaya1_vl.language as zaya
+    from mlx_lm.models.cache import CacheList
+
+    original = zaya._split_cache
+    if getattr(original, "mlxserve", False):
+        return
+
+    def split_cache(cache):
+        return (cache[0], cache[1]) if isinstance(cache, CacheList) else original(cache)
+
+    split_cache.mlxserve = True
+    zaya._split_cache = split_cache
+
+
+_PATCHES = {"mlx_vlm.models.qwen3_5.language": _qwen3_5_row_caches,
+            "mlx_vlm.models.zaya1_vl.language": _zaya_cache_pairs}
 
 
 def _gemma4_mask_after_cache() -> None:
@@ -499,9 +525,11 @@ class GenericVLM(VisionAdapter):
         a family whose get_input_embeddings does not give it all (tests compare with its pass)."""
         import mlx.core as mx
 
-        if not FAMILIES[self.family].token_types:
+        name = FAMILIES[self.family].media_mask
+        if name is None:
             return {}
-        return {**image_inputs, "token_type_ids": self._media(mx.array([token_ids])).astype(mx.int32)}
+        media = self._media(mx.array([token_ids]))
+        return {**image_inputs, name: media.astype(mx.int32) if name == "token_type_ids" else media}
 
     def mlx_vlm_ids(self, token_ids, images) -> list[int]:
         """The prompt as mlx-vlm's processor gives it (tests compare with its pass): a family whose
@@ -540,8 +568,9 @@ class GenericVLM(VisionAdapter):
                 out = LAYER_FEATURES[self.family](out, media, rows)
         if getattr(text, "per_layer_inputs", None) is not None:
             out["per_layer_inputs"] = text.per_layer_inputs
-        if FAMILIES[self.family].token_types:  # decode steps (text) pass none: text experts
-            out["token_type_ids"] = self._media(ids).astype(mx.int32)
+        name = FAMILIES[self.family].media_mask
+        if name is not None:
+            out[name] = self._media(ids).astype(mx.int32) if name == "token_type_ids" else self._media(ids)
         if self.whole_images:  # which tokens are media: mlx-vlm's mask lets each run attend to itself both ways
             types = (ids == self.image_token_id).astype(mx.int32)
             if self.video_token_id is not None:
