@@ -254,6 +254,11 @@ OVERRIDES: dict[str, dict] = {
                        "image_num_pos": 36, "image_default_input_size": [84, 84]},
         "adapter_config": {"hidden_size": VISION_WIDTH, "intermediate_size": 64, "text_hidden_size": HIDDEN,
                            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "vit_layers": [-1, -2]}}},
+    # A SigLIP tower on 64 px (16 tokens), a two-layer projector.
+    "multi_modality": {"num_image_tokens": 16, "text_config": {"model_type": "llama"},
+                       "vision_config": {"model_type": "vision", "cls": "SigLIPVisionTower", "params": {}},
+                       "projector_config": {"cls": "MlpProjector", "model_type": "mlp_projector",
+                                            "params": {"projector_type": "mlp_gelu", "depth": 2}}},
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
     # The processor's fixed sizes: a 728 px image, 14 px patches, downsampled 4x a side to 13 x 13 tokens.

@@ -162,7 +162,6 @@ VLM_REFUSED: dict[str, str] = {
     "molmo_point": TILES,
     "moondream2": TILES,
     "moondream3": TILES,
-    "multi_modality": NOT_YET.format(what="no adapter for Janus's processor"),
     "nemotron_parse": ENCODER_DECODER,
     "paligemma": ("its prefix attends both ways over the whole prompt (image and text): a prompt cut into chunks "
                   "or continued from cached blocks would change its tokens"),

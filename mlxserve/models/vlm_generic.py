@@ -221,6 +221,10 @@ FAMILIES = {
                                        inputs=("image_token_pooling", "image_grids", "image_num_crops"),
                                        image_token="<im_patch>",
                                        config_tokens={"image_patch_id": "<im_patch>", "image_end_token_id": "<im_end>"})),
+    # DeepSeek-VL / Janus: one square input, num_image_tokens rows, which mlx-vlm's merge expands one
+    # image token into (the prompt holds a run of them).
+    "multi_modality": Family("multi_modality", (None, None), image_token=("image_token_index",),
+                             expands="image_token_index", tiny_preprocessor={}),
     # Rows of image tokens and breaks: no tokens around them.
     "pixtral": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 64}}),
     "mistral3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),
