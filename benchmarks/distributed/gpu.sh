@@ -61,9 +61,9 @@ stop() {  # port
 
 bench() {  # label urls labels
   $PY -m mlxserve bench serve --url "$2" --label "$3" --endpoint completions --input-len 128 \
-    --output-len "$OUT_LEN" --concurrency "$LOW" --requests "$LOW_N" --out-dir "$R" > "$R/bench-$1-low.txt" 2>&1
+    --output-len "$OUT_LEN" --concurrency "$LOW" --requests "$LOW_N" --out-dir "$R/$1-low" > "$R/bench-$1-low.txt" 2>&1
   $PY -m mlxserve bench serve --url "$2" --label "$3" --endpoint completions --input-len 128 \
-    --output-len "$OUT_LEN" --concurrency "$HIGH" --requests "$HIGH_N" --out-dir "$R" > "$R/bench-$1-high.txt" 2>&1
+    --output-len "$OUT_LEN" --concurrency "$HIGH" --requests "$HIGH_N" --out-dir "$R/$1-high" > "$R/bench-$1-high.txt" 2>&1
 }
 
 stats() {  # port file: every rank's memory and the cache's, as the server reports them
@@ -77,9 +77,8 @@ done
 wait
 
 log "models: $SMALL and $BIG as 4-bit folders"
-[ -d "$M/small" ] || $PY -m mlxserve convert --load-format dummy "$SMALL" $QUANT --dtype "$DTYPE" --out-dir "$M/small" > "$R/convert-small.log" 2>&1 &
-# On the host's memory: 32B in bf16 and its 4-bit copy at once do not fit one 80 GB GPU.
-[ -d "$M/big" ] || $PY -c "import sys, mlx.core as mx; mx.set_default_device(mx.cpu); from mlxserve.cli import main; sys.exit(main(sys.argv[1:]))" \
+[ -d "$M/small" ] || env $([ "$BACKEND" = nccl ] && echo CUDA_VISIBLE_DEVICES=0) $PY -m mlxserve convert --load-format dummy "$SMALL" $QUANT --dtype "$DTYPE" --out-dir "$M/small" > "$R/convert-small.log" 2>&1 &
+[ -d "$M/big" ] || env $([ "$BACKEND" = nccl ] && echo CUDA_VISIBLE_DEVICES=1) $PY -m mlxserve \
   convert --load-format dummy "$BIG" $QUANT --dtype "$DTYPE" --out-dir "$M/big" > "$R/convert-big.log" 2>&1 &
 wait
 log "converted"

@@ -98,13 +98,11 @@ def _all(op: str, values, dtype="int64", stream=None) -> np.ndarray:
 
 
 def _gathered(values, dtype: str, stream) -> np.ndarray:
-    """Every rank's `values` as rows (all_gather: the one reduction every backend has, NCCL's too)."""
-    import mlx.core as mx
-
-    x = mx.array(np.asarray(values), dtype=getattr(mx, dtype))[None]
-    out = mx.distributed.all_gather(x, group=_group, stream=stream)
-    mx.eval(out)
-    return np.array(out)
+    """Every rank's `values` as rows, by an all_sum of rows that each rank fills its own of
+    (all_sum: the collective every backend has)."""
+    rows = np.zeros((_group.size(), len(values)), dtype=dtype)
+    rows[_group.rank()] = values
+    return _all("all_sum", rows, dtype, stream)
 
 
 def all_min(flags, stream=None) -> np.ndarray:
@@ -117,14 +115,11 @@ def all_max(values, stream=None) -> np.ndarray:
 
 def gather(obj, stream=None) -> list:
     """Every rank's `obj` (picklable), in rank order, on every rank."""
-    import mlx.core as mx
-
     data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
     sizes = _gathered([len(data)], "int64", stream)[:, 0]
-    buf = np.zeros(int(sizes.max()), np.uint8)
-    buf[: len(data)] = data
-    rows = mx.distributed.all_gather(mx.array(buf)[None], group=_group, stream=stream)
-    rows = np.array(rows)
+    rows = np.zeros((_group.size(), int(sizes.max())), np.uint8)
+    rows[_group.rank(), : len(data)] = data
+    rows = _all("all_sum", rows, "uint8", stream)
     return [pickle.loads(rows[r, : int(n)].tobytes()) for r, n in enumerate(sizes)]
 
 

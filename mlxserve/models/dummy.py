@@ -183,6 +183,8 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
     """
     import mlx.core as mx
     import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
     from mlxserve.models.architectures import build_text_model
 
     config = resolve_config(config_or_shape)
@@ -226,5 +228,9 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
     if sharding is not None:
         sharding.after_weights(model)
     model.eval()
-    mx.eval(model.parameters())
+    # One array at a time: a quantized layer's evaluation frees its dense weight, so the peak stays
+    # the dense model, not the dense and the quantized one together (a 32B model's 65 + 18 GB in
+    # bfloat16 at once did not fit an 80 GB GPU).
+    for _, p in tree_flatten(model.parameters()):
+        mx.eval(p)
     return model, config
