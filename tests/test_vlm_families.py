@@ -70,3 +70,23 @@ def test_cohere_compass_images_are_mlx_vlms():
         assert [list(inp.grid_thw)] == np.asarray(want["image_grid_thw"]).tolist()
         assert inp.num_tokens == np.prod(inp.grid_thw) // 4
         np.testing.assert_allclose(ours.pixels(image), np.asarray(want["pixel_values"]), atol=1e-6)
+
+
+def test_locateanything_images_are_mlx_vlms():
+    """LocateAnything's MoonViT patches, cut in numpy off the engine thread (Kimi-VL's steps), are
+    its mlx-vlm processor's (which cuts them with MLX), grid and token count too."""
+    from mlx_vlm.models.locateanything.image_processing_locateanything import LocateAnythingImageProcessor
+
+    from mlxserve.models.tiny_vlm import tiny_vlm_config
+    from mlxserve.models.vlm_images import PROCESSORS
+
+    config = tiny_vlm_config("locateanything")
+    ours = PROCESSORS["locateanything"](config, config["preprocessor_config"])
+    theirs = LocateAnythingImageProcessor(**{k: v for k, v in config["preprocessor_config"].items()},
+                                          patch_size=config["vision_config"]["patch_size"])
+    for size in [(100, 120), (90, 80), (33, 200), (300, 41)]:
+        image = picture(3, size)
+        want, inp = theirs(image), ours.layout(image)
+        assert [list(inp.grid_thw[1:])] == np.asarray(want["image_grid_hws"]).tolist()
+        assert inp.num_tokens == np.prod(inp.grid_thw) // 4
+        np.testing.assert_allclose(inp.pixel_values, np.asarray(want["pixel_values"]), atol=1e-5)

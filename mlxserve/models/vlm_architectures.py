@@ -153,8 +153,6 @@ VLM_REFUSED: dict[str, str] = {
     "llava_bunny": OUTSIDE_VOCABULARY.format(what="one id -200, which mlx-vlm's merge expands into the image's "
                                                   "729 rows"),
     "llmjpvl": NO_PROCESSOR,
-    "locateanything": NOT_YET.format(what="it predicts several future tokens per step (box coordinates) through "
-                                          "its own decoding loop"),
     "minicpmv4_6": TILES,
     "minicpmv4_7": TILES,
     "mllama": ("cross-attention to the image (Llama 3.2 Vision): image states sit beside the prompt, not in it "

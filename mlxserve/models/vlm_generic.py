@@ -131,6 +131,9 @@ FAMILIES = {
     # ZAYA1-VL: Qwen2.5-VL's layout; its vision LoRA applies to an image's tokens in every chunk.
     "zaya1_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), media_mask="visual_pos_masks",
                        tiny_preprocessor=QWEN_TINY),
+    # LocateAnything: MoonViT patches (Kimi-VL's processor steps, its own class), one run between <img> and
+    # </img>; decoded one token at a time (its PBD decoder's "slow" mode, mlx-vlm's generate), not in blocks.
+    "locateanything": Family("locateanything", ("<img>", "</img>"), tiny_preprocessor=KIMI_TINY),
     "mimo_v2": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY),
     "mage_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"),  # one frame a patch
                       tiny_preprocessor=QWEN_TINY | {"temporal_patch_size": 1}),

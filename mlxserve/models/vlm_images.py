@@ -356,6 +356,8 @@ PROCESSORS = {
     "qwen": QwenImages, "gemma4": Gemma4Images, "cohere_compass": CompassImages, "pixtral": PixtralImages,
     "kimi_vl": partial(KimiImages, "mlx_vlm.models.kimi_vl.processing_kimi_vl:KimiVLImageProcessor"),
     "kimi_k25": partial(KimiImages, "mlx_vlm.models.kimi_k25.processing_kimi_k25:KimiK25ImageProcessor"),
+    "locateanything": partial(
+        KimiImages, "mlx_vlm.models.locateanything.image_processing_locateanything:LocateAnythingImageProcessor"),
     # Several tower inputs an image (models/vlm_layouts.py)
     "internvl": partial(InternVLTiles, chat=False), "internvl_chat": partial(InternVLTiles, chat=True),
     "nemotron_omni": _nemotron_omni, "phi4mm": _phi4mm, "inkling": _inkling,  # models/vlm_omni.py
