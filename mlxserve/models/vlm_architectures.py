@@ -118,6 +118,13 @@ OUTSIDE_VOCABULARY = ("its prompt marks an image with {what}, not with a token o
 NO_PROCESSOR = ("mlx-vlm ships no processor for it (it takes whatever its checkpoint names through transformers' "
                 "AutoProcessor): how an image is cut into the tower's input and how many tokens it takes are not in "
                 "mlx-vlm, so mlxserve has no layout to follow or to test against")
+DEEPSEEK_OCR = NOT_YET.format(what="DeepSeek-VL2's tile layout (see deepseek_vl_v2) with SAM and CLIP towers on fixed "
+                                    "1024 px and 640 px views")
+MINICPM_V = NOT_YET.format(what="its processor gives each image's slices as a list of patch arrays of different sizes "
+                                "(with their target sizes), which the one-pixel-array-an-image layout "
+                                "(vlm_images.OwnLayout) does not carry")
+MOONDREAM = ("its image rows and the BOS before them attend each other both ways (a prefix mask over the first 1 + 729 "
+             "positions), and its prompt holds the image as 729 copies of id 0, a text token, right after BOS")
 AUDIO = NOT_YET.format(what="an omni model (audio and image towers); its image layout (tiles and their tokens) has "
                             "no adapter")
 
@@ -137,9 +144,12 @@ VLM_REFUSED: dict[str, str] = {
     "colidefics3": EMBEDDING,
     "colqwen2_5": EMBEDDING,
     "d1": DECISION,
-    "deepseek_vl_v2": TILES,
-    "deepseekocr": TILES,
-    "deepseekocr_2": TILES,
+    "deepseek_vl_v2": NOT_YET.format(what="mlx-vlm's merge of its tiles (a global view, then tiles with newline "
+                                          "rows, placed by a mask over the prompt) gave its own rows alone but plain "
+                                          "token embeddings in some engine runs of a tiny config, not reproducibly "
+                                          "(cause not found)"),
+    "deepseekocr": DEEPSEEK_OCR,
+    "deepseekocr_2": DEEPSEEK_OCR,
     "diffusion_gemma": DIFFUSION_LM,
     "falcon_ocr": NOT_YET.format(what="an OCR pipeline (a layout detector crops regions, each read with its own "
                                       "prompt)"),
@@ -148,31 +158,44 @@ VLM_REFUSED: dict[str, str] = {
     "florence2": ENCODER_DECODER,
     "glm5_next": NOT_YET.format(what="its sparse attention's indexer keeps pooled keys in its own cache class "
                                      "(PoolingCache), which mlx-lm cannot batch and the prefix cache cannot hold"),
-    "hunyuan_vl": TILES,
-    "jina_vlm": TILES,
+    "hunyuan_vl": ("its language model applies its XD-RoPE (an image's row, column and image index as position "
+                   "axes) only in a pass that starts at position 0, keeping that pass's positions on the model "
+                   "object: a prompt chunk after cached tokens gets plain positions, so an image after a cached "
+                   "prefix or in a later chunk would not get the positions of mlx-vlm's one-pass prefill"),
+    "jina_vlm": NOT_YET.format(what="its processor builds its image processor in code (378 px crops, up to 12 and a "
+                                    "thumbnail, 196 tokens each) rather than from the model's files: a tiny config "
+                                    "would take hundreds of tokens an image, too many for the generated test"),
     "llava_bunny": OUTSIDE_VOCABULARY.format(what="one id -200, which mlx-vlm's merge expands into the image's "
                                                   "729 rows"),
     "llmjpvl": NO_PROCESSOR,
-    "minicpmv4_6": TILES,
-    "minicpmv4_7": TILES,
+    "minicpmv4_6": MINICPM_V,
+    "minicpmv4_7": MINICPM_V,
     "mllama": ("cross-attention to the image (Llama 3.2 Vision): image states sit beside the prompt, not in it "
                "as token embeddings, so cached blocks cannot hold them"),
-    "molmo_point": TILES,
-    "moondream2": TILES,
-    "moondream3": TILES,
+    "molmo_point": ("it decodes through a loop of its own: each step's logits are extended with point logits "
+                    "computed from per-request image state kept on the model object (patch keys from the prompt "
+                    "pass's hidden states), and generated point tokens are embedded with image features; the engine "
+                    "batches plain logits, and a prefix-cache hit skips the pass that builds that state"),
+    "moondream2": MOONDREAM,
+    "moondream3": MOONDREAM,
     "nemotron_parse": ENCODER_DECODER,
     "paligemma": ("its prefix attends both ways over the whole prompt (image and text): a prompt cut into chunks "
                   "or continued from cached blocks would change its tokens"),
     "phi3_v": OUTSIDE_VOCABULARY.format(what="a run of negative ids (-1 for the first image, -2 for the second...) "
                                              "that its processor writes into the token ids"),
-    "phi4_siglip": NOT_YET.format(what="no adapter for its processor and its -200 image index"),
-    "plamo2vl": TILES,
+    "phi4_siglip": OUTSIDE_VOCABULARY.format(what="one id -200, which mlx-vlm's merge expands into the image's rows "
+                                                  "(one for each of its SigLIP-2 patches)"),
+    "plamo2vl": NOT_YET.format(what="its processor renders the whole prompt in its own instruction template around "
+                                    "the image's tiles (Eagle-2 tiles and a thumbnail between <siglip2:img> marks), so "
+                                    "it cannot lay an image out alone, and no image processor here renders those tiles"),
     "qwen3_vl_embedding": EMBEDDING,
     "qwen4_exp": NOT_YET.format(what="its own KV cache class (QSAKVCache), which mlx-lm cannot batch and the "
                                      "prefix cache cannot hold"),
     "sam3": DETECTOR,
     "sam3_1": DETECTOR,
-    "unlimited_ocr": TILES,
+    "unlimited_ocr": ("its language model's cache is a class of its own (RingSlidingKVCache: the whole prompt kept, "
+                      "generated tokens in a ring of the last window_size), which mlx-lm cannot batch and the prefix "
+                      "cache cannot hold"),
     "youtu_vl": NO_PROCESSOR,
     "bert": ENCODER,
     "bonsai": IMAGE_GENERATOR,
