@@ -151,13 +151,18 @@ VLM_REFUSED: dict[str, str] = {
     "deepseekocr": DEEPSEEK_OCR,
     "deepseekocr_2": DEEPSEEK_OCR,
     "diffusion_gemma": DIFFUSION_LM,
-    "falcon_ocr": NOT_YET.format(what="an OCR pipeline (a layout detector crops regions, each read with its own "
-                                      "prompt)"),
+    "falcon_ocr": ("its image tokens attend to each other both ways through a 4-D mask its get_input_embeddings "
+                   "builds over the whole prompt (mlx-vlm prefills it in one pass: no_chunked_prefill), and take 2-D "
+                   "(row, column) rotary positions (pos_hw) beside the 1-D ones: mlxserve prefills in chunks after "
+                   "cached blocks, keeps both-ways image attention exact there for Gemma 4 alone, and passes no "
+                   "per-chunk 2-D positions"),
     "falcon_perception": DETECTOR,
     "fastvlm": OUTSIDE_VOCABULARY.format(what="one id -200, which mlx-vlm's merge expands into the image's rows"),
     "florence2": ENCODER_DECODER,
-    "glm5_next": NOT_YET.format(what="its sparse attention's indexer keeps pooled keys in its own cache class "
-                                     "(PoolingCache), which mlx-lm cannot batch and the prefix cache cannot hold"),
+    "glm5_next": ("its sparse attention's indexer pools keys over windows of index_kpool tokens into mlx-vlm's "
+                  "PoolingCache (a growing pool and the part-filled last window, per row): neither keys and values a "
+                  "token nor a fixed-size recurrent state, so the prefix cache's layer kinds (cache/layers.py) cannot "
+                  "cut it into blocks, and mlx-lm, whose cache classes the engine batches, has no class of it"),
     "hunyuan_vl": ("its language model applies its XD-RoPE (an image's row, column and image index as position "
                    "axes) only in a pass that starts at position 0, keeping that pass's positions on the model "
                    "object: a prompt chunk after cached tokens gets plain positions, so an image after a cached "
@@ -189,8 +194,10 @@ VLM_REFUSED: dict[str, str] = {
                                     "the image's tiles (Eagle-2 tiles and a thumbnail between <siglip2:img> marks), so "
                                     "it cannot lay an image out alone, and no image processor here renders those tiles"),
     "qwen3_vl_embedding": EMBEDDING,
-    "qwen4_exp": NOT_YET.format(what="its own KV cache class (QSAKVCache), which mlx-lm cannot batch and the "
-                                     "prefix cache cannot hold"),
+    "qwen4_exp": ("its attention layers keep, beside keys and values, the indexer's unprojected keys and their "
+                  "multimodal positions a token (mlx-vlm's QSAKVCache): the prefix cache's layer kinds "
+                  "(cache/layers.py) store keys and values alone, so cached blocks would come back without them, and "
+                  "mlx-lm, whose cache classes the engine batches, has no class of it"),
     "sam3": DETECTOR,
     "sam3_1": DETECTOR,
     "unlimited_ocr": ("its language model's cache is a class of its own (RingSlidingKVCache: the whole prompt kept, "
