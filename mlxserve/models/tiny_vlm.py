@@ -224,9 +224,13 @@ OVERRIDES: dict[str, dict] = {
                                 "mlp_layer_types": ["dense", "moe", "moe", "moe"], "dense_intermediate_size": 128,
                                 "rel_extent": 16, "d_rel": 4}},
     "mage_vl": {"vision_config": {"hidden_size": 2 * VISION_WIDTH}},  # its tower's heads: a multiple of 32 wide
-    # Its text model is MiMo-V2-Flash's (mlx-lm's tiny layout: sliding and full layers, MoE after the first).
+    # Its text model is MiMo-V2-Flash's (mlx-lm's tiny layout: sliding and full layers, MoE after the first);
+    # a small audio encoder (built whatever the request; its defaults are 235M parameters).
     "mimo_v2": {"text_config": {"hybrid_layer_pattern": [1, 0, 1, 0], "moe_layer_freq": [0, 1, 1, 1],
-                                "partial_rotary_factor": 1}},
+                                "partial_rotary_factor": 1},
+                "audio_config": {"out_hidden_size": HIDDEN, "input_local_dim": 32, "input_local_attn_heads": 2,
+                                 "input_local_head_dim": 16, "input_local_intermediate_size": 64,
+                                 "input_local_layers": 1}},
     # 4 resampler queries an image (its family's image_feature_size); M-RoPE sections of a 16-wide head.
     "minicpmo": {"query_num": 4, "patch_size": 16, "image_size": 64,
                  "text_config": {"rope_scaling": {"type": "default", "mrope_section": [2, 3, 3]}}},
