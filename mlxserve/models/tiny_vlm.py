@@ -263,6 +263,8 @@ OVERRIDES: dict[str, dict] = {
                        "vision_config": {"model_type": "vision", "cls": "SigLIPVisionTower", "params": {}},
                        "projector_config": {"cls": "MlpProjector", "model_type": "mlp_projector",
                                             "params": {"projector_type": "mlp_gelu", "depth": 2}}},
+    # A SigLIP tower on 64 px tiles (16 tokens each), its projector 64 wide.
+    "plamo2vl": {"vision_config": {"image_feature_size": VISION_WIDTH, "image_proj_hidden_size": HIDDEN}},
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
     # The processor's fixed sizes: a 728 px image, 14 px patches, downsampled 4x a side to 13 x 13 tokens.

@@ -193,9 +193,6 @@ VLM_REFUSED: dict[str, str] = {
                                              "that its processor writes into the token ids"),
     "phi4_siglip": OUTSIDE_VOCABULARY.format(what="one id -200, which mlx-vlm's merge expands into the image's rows "
                                                   "(one for each of its SigLIP-2 patches)"),
-    "plamo2vl": NOT_YET.format(what="its processor renders the whole prompt in its own instruction template around "
-                                    "the image's tiles (Eagle-2 tiles and a thumbnail between <siglip2:img> marks), so "
-                                    "it cannot lay an image out alone, and no image processor here renders those tiles"),
     "qwen3_vl_embedding": EMBEDDING,
     "qwen4_exp": ("its attention layers keep, beside keys and values, the indexer's unprojected keys and their "
                   "multimodal positions a token (mlx-vlm's QSAKVCache): the prefix cache's layer kinds "

@@ -228,6 +228,12 @@ FAMILIES = {
     # image token into (the prompt holds a run of them).
     "multi_modality": Family("multi_modality", (None, None), image_token=("image_token_index",),
                              expands="image_token_index", tiny_preprocessor={}),
+    # PLaMo 2 VL: Eagle-2 tiles and a thumbnail (64 px, 16 tokens each in the tiny config, fewer than
+    # 100 tokens an image), one run between its marks.
+    "plamo2vl": Family("plamo2vl", ("<siglip2:img>", "</siglip2:img>"),
+                       tiny_preprocessor={"size": {"height": 64, "width": 64}, "patch_size": 16,
+                                          "max_image_width": 64, "max_image_height": 64, "downsample_ratio": 1.0,
+                                          "tile_context_length": 100}),
     # Rows of image tokens and breaks: no tokens around them.
     "pixtral": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 64}}),
     "mistral3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),

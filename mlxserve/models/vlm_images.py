@@ -345,6 +345,12 @@ def _multi_modality(config: dict, pc: dict):
     return DeepSeekVLImages(config, pc)
 
 
+def _plamo2vl(config: dict, pc: dict):
+    from mlxserve.models.vlm_fixed import PlamoTiles
+
+    return PlamoTiles(config, pc)
+
+
 def image_processor(name: str, config: dict, pc: dict):
     """A family's image processor by its Family.processor name (models/vlm_generic.py)."""
     if name in PROCESSORS:
@@ -362,7 +368,7 @@ PROCESSORS = {
     "internvl": partial(InternVLTiles, chat=False), "internvl_chat": partial(InternVLTiles, chat=True),
     "nemotron_omni": _nemotron_omni, "phi4mm": _phi4mm, "inkling": _inkling,  # models/vlm_omni.py
     "got": GotImages,
-    "multi_modality": _multi_modality,  # models/vlm_fixed.py
+    "multi_modality": _multi_modality, "plamo2vl": _plamo2vl,  # models/vlm_fixed.py
 }
 
 
