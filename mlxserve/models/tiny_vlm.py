@@ -178,6 +178,10 @@ OVERRIDES: dict[str, dict] = {
                        "text_config": {"layer_types": ["sliding_attention", "full_attention"] * 2,
                                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                            "mrope_section": [2, 3, 3]}}},
+    # Its merge asserts 729 rows: a 384 px SigLIP input of 14 px patches (its processor's fixed size); -200 marks
+    # the image (models/vlm_standin.py).
+    "llava_bunny": {"image_token_index": -200, "auto_map": {}, "mm_hidden_size": VISION_WIDTH,
+                    "vision_config": {"model_type": "siglip_vision_model", "image_size": 384, "patch_size": 14}},
     "dots_ocr": {"vision_config": {"hidden_size": HIDDEN}},  # its tower's output width (embed_dim is its own)
     # Pixtral's [IMG_BREAK] and [IMG_END] (its processor's texts, not config ids in real configs); the
     # tower's rotary table covers image_size / patch_size patches a side, as far as the processor's
@@ -218,6 +222,8 @@ OVERRIDES: dict[str, dict] = {
                         "text_config": {"moe_num_experts": [4, 4], "moe_intermediate_size": [32, 32],
                                         "moe_layer_start_index": 1, "moe_layer_end_index": 3, "moe_k": 2,
                                         "mrope_section": [3, 3, 2], "freq_allocation": 2}},
+    # Its FastViT-HD tower's stages are fixed in mlx-vlm's code (not config fields): a 64 px image, 4 rows.
+    "fastvlm": {"image_token_index": -200, "vision_config": {"projection_dim": HIDDEN}},
     # Sliding and full layers, a dense MLP then experts; its relative band as short as the window.
     "inkling": {"vision_config": {"patch_size": 32},
                 "text_config": {"layer_types": ["hybrid_sliding", "full_attention"] * 2,
@@ -245,6 +251,9 @@ OVERRIDES: dict[str, dict] = {
                "audio_processor": {"config": {"attention_dim": 32, "attention_heads": 2, "num_blocks": 1,
                                               "linear_units": 64, "ext_pw_out_channel": 32, "conv_channels": 32,
                                               "depthwise_seperable_out_channel": 32, "input_size": 80}}},
+    # Its text settings are the config's own (no text_config); its CLIP ViT-L/14-336 tower is fixed in
+    # mlx-vlm's code (not config fields): one 336 px crop and the whole image, 313 rows.
+    "phi3_v": {"num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
     # 84 px crops of 6 x 6 patches, pooled to 3 x 3 tokens; its image tokens past the text vocabulary.
     "molmo": {"text_config": {"mlp_hidden_size": 128, "embedding_size": QWEN_VOCAB, "additional_vocab_size": 128},
               "vision_config": {"image_default_input_size": [84, 84], "image_num_pos": 37, "image_emb_dim": VISION_WIDTH,

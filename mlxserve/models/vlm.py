@@ -56,6 +56,10 @@ class ImageInput:
     # tower (numpy: pixel masks, image sizes).
     ids: tuple[int, ...] | None = None
     extras: dict | None = None
+    # A family whose processor marks an image with ids outside the vocabulary (LLaVA-Bunny's -200,
+    # Phi-3-vision's run of -1): those ids, which the tower is given; `ids` are then stand-ins
+    # (models/vlm_standin.py).
+    tower_ids: tuple[int, ...] | None = None
 
 
 class VideoFrames:

@@ -172,8 +172,6 @@ VLM_REFUSED: dict[str, str] = {
     "jina_vlm": NOT_YET.format(what="its processor builds its image processor in code (378 px crops, up to 12 and a "
                                     "thumbnail, 196 tokens each) rather than from the model's files: a tiny config "
                                     "would take hundreds of tokens an image, too many for the generated test"),
-    "llava_bunny": OUTSIDE_VOCABULARY.format(what="one id -200, which mlx-vlm's merge expands into the image's "
-                                                  "729 rows"),
     "llmjpvl": NO_PROCESSOR,
     "minicpmv4_6": MINICPM_V,
     "minicpmv4_7": NOT_YET.format(what="MiniCPM-V 4.6's slices (see minicpmv4_6), placed by canvas M-RoPE (spatial "

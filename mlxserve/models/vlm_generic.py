@@ -37,6 +37,7 @@ from mlxserve.models.vlm import ImageInput, VisionAdapter
 from mlxserve.models.vlm_images import VIDEOS, OwnLayout, image_processor
 from mlxserve.models.vlm_layouts import LAYER_FEATURES, MODEL_FIXES
 from mlxserve.models.vlm_spans import ProcessorSpans, ProcessorSpec
+from mlxserve.models.vlm_standin import MARKED
 
 
 # preprocessor_config.json of the tiny configs (models/tiny_vlm.py): images of at most 16 tokens.
@@ -238,6 +239,10 @@ FAMILIES = {
     "pixtral": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 64}}),
     "mistral3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),
     "mistral_large3": Family("pixtral", (None, None), tiny_preprocessor={"size": {"longest_edge": 128}}),
+    # Images marked with ids outside the vocabulary, stand-ins in the prompt (models/vlm_standin.py):
+    # LLaVA-Bunny's and FastVLM's one -200 (384 px and 1024 px images in their checkpoints), Phi-3-vision's
+    # run of -1 (336 px crops, one in the tiny config).
+    "llava_bunny": Family("llava_bunny", (None, None), tiny_preprocessor={}),
     # The whole image (728 px, 169 tokens) after its crops (504 px, 81 tokens each, rows ended by
     # <patch_newline>), each between its marks; sizes fixed by the processor.
     "step3p7": Family("mlx_vlm.models.step3p7.processing_step3p7:Step3VLProcessor", (None, None),
@@ -413,7 +418,11 @@ class GenericVLM(VisionAdapter):
         if self.whole_images:
             _BIDIRECTIONAL[self.family]()
         super().__init__(model, config, processor_config, tokenizer)
-        if spec.own is not None:
+        if spec.processor in MARKED:  # image marks outside the vocabulary: stand-ins in the prompt
+            from mlxserve.models.chat import hf_of
+
+            self.images = MARKED[spec.processor](config, processor_config, hf_of(tokenizer))
+        elif spec.own is not None:
             from mlxserve.models.chat import hf_of
 
             self.images = ProcessorSpans(spec.processor, spec.own, config, processor_config, hf_of(tokenizer),
@@ -428,7 +437,9 @@ class GenericVLM(VisionAdapter):
         if self.family in MODEL_FIXES:  # mlx-vlm's model mended (models/vlm_layouts.py)
             MODEL_FIXES[self.family](model, self.images)
         self.text_model.positions_last = spec.positions == "last"
-        if spec.own is not None and spec.own.image_token:  # a token the config does not name (Molmo's)
+        if spec.processor in MARKED:
+            self.image_token_id = self.images.stand_in
+        elif spec.own is not None and spec.own.image_token:  # a token the config does not name (Molmo's)
             self.image_token_id = self.images.token_id()
         else:
             self.image_token_id = self._token_id(config, spec.image_token)
@@ -442,6 +453,8 @@ class GenericVLM(VisionAdapter):
             if self.video_token_id is None:
                 raise ValueError(f"{self.family}: config.json lacks video_token_id")
             self.video_processor = self.videos.processor  # VisionAdapter.pixels makes a video's pixels with it
+        if getattr(self.images, "expands", False):  # how many rows the marker gives: read once, off a probe image
+            self.images.rows = int(self.encode(self.images.probe()).shape[0])
 
     def _token_id(self, config: dict, keys: tuple[str, ...]) -> int:
         """The first of the config's `keys` it sets (config.json's, else mlx-vlm's default for the family),
@@ -512,7 +525,8 @@ class GenericVLM(VisionAdapter):
 
         pixels = mx.array(self.pixels(image))
         if image.video is None:
-            ids = mx.array([[self.expands] if self.expands is not None else self._image_ids(image)])
+            ids = mx.array([list(image.tower_ids) if image.tower_ids is not None else
+                            [self.expands] if self.expands is not None else self._image_ids(image)])
             kwargs = {"pixel_values": pixels, **self.images.image_kwargs(image)}
         else:
             ids = mx.array([[self.video_token_id] * image.num_tokens])
@@ -548,8 +562,10 @@ class GenericVLM(VisionAdapter):
         """The prompt as mlx-vlm's processor gives it (tests compare with its pass): a family whose
         merge expands one id into an image's rows has that id where each image's run is."""
         out = list(token_ids)
-        if self.expands is not None:
-            for im in sorted(images, key=lambda im: im.start, reverse=True):
+        for im in sorted(images, key=lambda im: im.start, reverse=True):
+            if im.pixels.tower_ids is not None:  # the processor's own marks (models/vlm_standin.py)
+                out[im.start: im.start + im.num_tokens] = im.pixels.tower_ids
+            elif self.expands is not None:
                 out[im.start: im.start + im.num_tokens] = [self.expands]
         return out
 
