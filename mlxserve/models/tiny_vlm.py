@@ -191,6 +191,9 @@ OVERRIDES: dict[str, dict] = {
                  "vision_config": {"image_size": 128}},
     "mistral_large3": {"image_break_token_id": VISION_START, "image_end_token_id": VISION_END,
                        "spatial_merge_size": 2, "vision_config": {"image_size": 128}},
+    # Its projector pools 2 x 2 patches (its processor's downsample_ratio: models/vlm_generic.py DEEPSEEK_TINY).
+    "deepseek_vl_v2": {"projector_config": {"input_dim": VISION_WIDTH, "n_embed": HIDDEN, "downsample_ratio": 2},
+                       "vision_config": {"model_type": "vision"}},
     # Its perceiver pools each crop to image_seq_len latents (its family's processor_config).
     "idefics2": {"perceiver_config": {"model_type": "idefics2_perceiver", "num_key_value_heads": 2,
                                       "resampler_depth": 1, "resampler_head_dim": 16, "resampler_n_heads": 2,

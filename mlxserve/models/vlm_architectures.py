@@ -146,10 +146,6 @@ VLM_REFUSED: dict[str, str] = {
     "colidefics3": EMBEDDING,
     "colqwen2_5": EMBEDDING,
     "d1": DECISION,
-    "deepseek_vl_v2": NOT_YET.format(what="mlx-vlm's merge of its tiles (a global view, then tiles with newline "
-                                          "rows, placed by a mask over the prompt) gave its own rows alone but plain "
-                                          "token embeddings in some engine runs of a tiny config, not reproducibly "
-                                          "(cause not found)"),
     "deepseekocr": DEEPSEEK_OCR,
     "deepseekocr_2": DEEPSEEK_OCR,
     "diffusion_gemma": DIFFUSION_LM,

@@ -36,7 +36,7 @@ import numpy as np
 from mlxserve.models.vlm import ImageInput, VisionAdapter
 from mlxserve.models.vlm_images import VIDEOS, OwnLayout, image_processor
 from mlxserve.models.vlm_layouts import LAYER_FEATURES, MODEL_FIXES
-from mlxserve.models.vlm_spans import ProcessorSpans, ProcessorSpec
+from mlxserve.models.vlm_spans import ProcessorSpans, ProcessorSpec, deepseek_vl2_spatial_crops
 from mlxserve.models.vlm_standin import MARKED
 
 
@@ -83,6 +83,9 @@ GLM4V = Family("Glm4vImageProcessorPil", ("vision_start_token_id", "vision_end_t
 KIMI_TINY = {"in_token_limit": 64, "merge_kernel_size": [2, 2], "image_mean": [0.5, 0.5, 0.5],
              "image_std": [0.5, 0.5, 0.5]}
 KIMI_IMAGE = ("media_placeholder_token_id", "image_token_index", "image_token_id")
+# DeepSeek-VL2's processor settings (processor_config.json): 64 px tiles of 2 x 2 tokens, at most 2 x 2 tiles.
+DEEPSEEK_TINY = {"processor_config": {"candidate_resolutions": [[64, 64], [64, 128], [128, 64], [128, 128]],
+                                      "patch_size": 16, "downsample_ratio": 2}}
 FAMILIES = {
     "qwen3_vl": QWEN3,
     "qwen3_vl_moe": QWEN3,
@@ -95,6 +98,12 @@ FAMILIES = {
                               positions="last", media_mask="token_type_ids",
                               tiny_preprocessor={"min_pixels": 1024, "max_pixels": 16384, "patch_size": 16,
                                                  "merge_size": 2, "temporal_patch_size": 1}),
+    # The whole image, a separator, then its tiles (a grid picked from candidate_resolutions), rows of
+    # each ended by a newline row: one run of image tokens, placed by the processor's mask over its ids.
+    "deepseek_vl_v2": Family("mlx_vlm.models.deepseek_vl_v2.processing_deepsek_vl_v2:DeepseekVLV2Processor",
+                             (None, None), image_token=("image_token_index",), tiny_preprocessor=DEEPSEEK_TINY,
+                             own=ProcessorSpec(pixels="images", inputs=("images_spatial_crop", "images_seq_mask"),
+                                               masks=("images_seq_mask",), bos=True)),
     "glm4v": GLM4V,
     # GOT-OCR 2.0: one square tower input, its image tags' ids in the config (<img>, </img>, <imgpad>).
     "got": Family("got", ("im_start_token", "im_end_token"), image_token=("im_patch_token",)),
@@ -321,6 +330,7 @@ def _zaya_cache_pairs() -> None:
 
 
 _PATCHES = {"mlx_vlm.models.qwen3_5.language": _qwen3_5_row_caches,
+            "mlx_vlm.models.deepseek_vl_v2.language": deepseek_vl2_spatial_crops,  # models/vlm_spans.py
             "mlx_vlm.models.zaya1_vl.language": _zaya_cache_pairs}
 
 

@@ -32,6 +32,10 @@ class ProcessorSpec:
     # Config keys of token ids the model reads, by their text (Molmo2's image_patch_id: "<im_patch>"):
     # tiny configs set them to the tiny tokenizer's ids.
     config_tokens: dict | None = None
+    # It starts its ids with the tokenizer's BOS whatever the tokenizer adds (DeepSeek-VL2's): dropped
+    # from the span (the chat template places the prompt's own); a tokenizer without one (a tiny
+    # config's) lends it its EOS, to be dropped the same way.
+    bos: bool = False
 
 
 def build_processor(processor: str, pc: dict, tokenizer, image_processor: str | None = None):
@@ -59,6 +63,8 @@ class ProcessorSpans(OwnLayout):
         self.spec = spec
         self.tokenizer = copy.deepcopy(tokenizer)
         size = len(self.tokenizer)
+        if spec.bos and self.tokenizer.bos_token is None:
+            self.tokenizer.bos_token = self.tokenizer.eos_token
         self.proc = build_processor(processor, pc, self.tokenizer, image_processor)
         if len(self.tokenizer) != size:
             added = self.tokenizer.convert_ids_to_tokens(list(range(size, len(self.tokenizer))))
@@ -84,7 +90,8 @@ class ProcessorSpans(OwnLayout):
     def layout(self, image) -> ImageInput:
         out = self._run(image)
         ids = [int(t) for t in np.asarray(out.pop("input_ids")).reshape(-1)]
-        head = 1 if self._bos and ids[:1] == self._bos[:1] else 0
+        bos = self._bos[:1] or ([self.tokenizer.bos_token_id] if self.spec.bos else [])
+        head = 1 if bos and ids[:1] == bos else 0
         tail = 1 if len(self._bos) > 1 and ids[-1:] == self._bos[-1:] else 0
         ids = ids[head: len(ids) - tail]
         text = self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
@@ -115,3 +122,34 @@ class ProcessorSpans(OwnLayout):
                 v = whole
             out[k] = mx.array(v)
         return out
+
+
+def deepseek_vl2_spatial_crops() -> None:
+    """Give mlx-vlm's DeepSeek-VL2 merge a tile grid for every slot it reads.
+
+    Its get_input_embeddings counts each image's tiles in a loop over
+    `pixel_values.shape[1]` (the tiles of the batch's largest image), reading
+    `images_spatial_crop[idx][jdx]` for each, though that holds one (width, height)
+    a image: past its end MLX reads memory it does not own (no bounds check), so the
+    count, and whether any rows are merged at all, changed from run to run (found
+    by the generated test). The PyTorch original reads zeros there (its grids are
+    padded) and stops; here they are padded with zeros so it does.
+    """
+    import mlx.core as mx
+    import mlx_vlm.models.deepseek_vl_v2.deepseek_vl_v2 as deepseek
+
+    original = deepseek.Model.get_input_embeddings
+    if getattr(original, "mlxserve", False):
+        return
+
+    def get_input_embeddings(self, input_ids=None, pixel_values=None, images_spatial_crop=None,
+                             images_seq_mask=None, **kwargs):
+        if pixel_values is not None and images_spatial_crop is not None:
+            missing = pixel_values.shape[1] - images_spatial_crop.shape[1]
+            if missing > 0:
+                zeros = mx.zeros((images_spatial_crop.shape[0], missing, 2), images_spatial_crop.dtype)
+                images_spatial_crop = mx.concatenate([images_spatial_crop, zeros], axis=1)
+        return original(self, input_ids, pixel_values, images_spatial_crop, images_seq_mask, **kwargs)
+
+    get_input_embeddings.mlxserve = True
+    deepseek.Model.get_input_embeddings = get_input_embeddings
