@@ -343,7 +343,9 @@ def mlx_vlm_forward(vision, ids: list[int], **image_inputs):
     from mlx_vlm.models.cache import KVCache
 
     ids = mx.array([ids])
-    emb = vision.model.get_input_embeddings(ids, mask=mx.ones(ids.shape), **image_inputs)
+    # An integer mask for a family whose model reads it as its processor's attention_mask (FastVLM's).
+    mask = mx.ones(ids.shape, dtype=mx.int32 if getattr(getattr(vision, "images", None), "int_mask", False) else mx.float32)
+    emb = vision.model.get_input_embeddings(ids, mask=mask, **image_inputs)
     extra = {k: v for k, v in emb.to_dict().items()
              if v is not None and k not in ("inputs_embeds", "attention_mask_4d")}
     lm = vision.model.language_model

@@ -225,7 +225,8 @@ OVERRIDES: dict[str, dict] = {
                         "text_config": {"moe_num_experts": [4, 4], "moe_intermediate_size": [32, 32],
                                         "moe_layer_start_index": 1, "moe_layer_end_index": 3, "moe_k": 2,
                                         "mrope_section": [3, 3, 2], "freq_allocation": 2}},
-    # Its FastViT-HD tower's stages are fixed in mlx-vlm's code (not config fields): a 64 px image, 4 rows.
+    # Its FastViT-HD tower's stages are fixed in mlx-vlm's code (not config fields, 123M parameters): a
+    # 128 px image (its family's tiny_preprocessor), 2 x 2 rows after its 64x downsampling.
     "fastvlm": {"image_token_index": -200, "vision_config": {"projection_dim": HIDDEN}},
     # Sliding and full layers, a dense MLP then experts; its relative band as short as the window.
     "inkling": {"vision_config": {"patch_size": 32},

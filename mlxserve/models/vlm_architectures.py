@@ -155,7 +155,6 @@ VLM_REFUSED: dict[str, str] = {
                    "cached blocks, keeps both-ways image attention exact there for Gemma 4 alone, and passes no "
                    "per-chunk 2-D positions"),
     "falcon_perception": DETECTOR,
-    "fastvlm": OUTSIDE_VOCABULARY.format(what="one id -200, which mlx-vlm's merge expands into the image's rows"),
     "florence2": ENCODER_DECODER,
     "glm5_next": ("its sparse attention's indexer pools keys over windows of index_kpool tokens into mlx-vlm's "
                   "PoolingCache (a growing pool and the part-filled last window, per row): neither keys and values a "

@@ -252,6 +252,8 @@ FAMILIES = {
     # LLaVA-Bunny's and FastVLM's one -200 (384 px and 1024 px images in their checkpoints), Phi-3-vision's
     # run of -1 (336 px crops, one in the tiny config).
     "llava_bunny": Family("llava_bunny", (None, None), tiny_preprocessor={}),
+    "fastvlm": Family("fastvlm", (None, None), tiny_preprocessor={"size": {"shortest_edge": 128},
+                                                                  "crop_size": {"height": 128, "width": 128}}),
     # The whole image (728 px, 169 tokens) after its crops (504 px, 81 tokens each, rows ended by
     # <patch_newline>), each between its marks; sizes fixed by the processor.
     "step3p7": Family("mlx_vlm.models.step3p7.processing_step3p7:Step3VLProcessor", (None, None),
@@ -541,7 +543,10 @@ class GenericVLM(VisionAdapter):
         else:
             ids = mx.array([[self.video_token_id] * image.num_tokens])
             kwargs = self.videos.tower_kwargs(image, pixels)
-        f = self.model.get_input_embeddings(ids, mask=mx.ones(ids.shape), **kwargs)
+        # An integer mask where the processor's attention_mask is one the model reads (FastVLM's merge
+        # slices the ids by its sums).
+        mask = mx.ones(ids.shape, dtype=mx.int32 if getattr(self.images, "int_mask", False) else mx.float32)
+        f = self.model.get_input_embeddings(ids, mask=mask, **kwargs)
         extra = {k for k, v in f.to_dict().items() if v is not None} - _KNOWN_FEATURES
         if extra:
             raise ValueError(f"{self.family}: mlx-vlm's get_input_embeddings also gives {sorted(extra)}, "

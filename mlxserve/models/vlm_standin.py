@@ -46,6 +46,7 @@ class MarkedImages:
 
     expands = True  # one marker id, expanded by mlx-vlm's merge into all of the image's rows
     rows: int | None = None  # how many: set at load, off a probe image (GenericVLM)
+    int_mask = True  # get_input_embeddings is given an integer mask, as the processor's attention_mask is
 
     def __init__(self, config: dict, pc: dict, tokenizer):
         self.tokenizer = tokenizer
