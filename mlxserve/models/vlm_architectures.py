@@ -118,8 +118,9 @@ OUTSIDE_VOCABULARY = ("its prompt marks an image with {what}, not with a token o
 NO_PROCESSOR = ("mlx-vlm ships no processor for it (it takes whatever its checkpoint names through transformers' "
                 "AutoProcessor): how an image is cut into the tower's input and how many tokens it takes are not in "
                 "mlx-vlm, so mlxserve has no layout to follow or to test against")
-DEEPSEEK_OCR = NOT_YET.format(what="DeepSeek-VL2's tile layout (see deepseek_vl_v2) with SAM and CLIP towers on fixed "
-                                    "1024 px and 640 px views")
+DEEPSEEK_OCR = NOT_YET.format(what="DeepSeek-VL2's tile layout (served for deepseek_vl_v2) with SAM and CLIP towers on "
+                                    "views its processor sizes in code (1024 px and 640 px): a tiny config would take "
+                                    "hundreds of tokens an image, too many for the generated test")
 MINICPM_V = NOT_YET.format(what="its processor gives each image's slices as a list of patch arrays of different sizes "
                                 "(with their target sizes), which the one-pixel-array-an-image layout "
                                 "(vlm_images.OwnLayout) does not carry; with them carried, a tiny config's request "
