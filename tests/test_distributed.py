@@ -161,9 +161,10 @@ def per_rank(ranks) -> list[dict]:
 
 
 def check_same_decisions(ranks) -> dict:
-    """Every rank's prefix cache made the same decisions: the same blocks, tokens and hits."""
+    """Every rank's prefix cache made the same decisions: the same blocks (of the same tokens,
+    which every rank sampled), tokens and hits."""
     rows = per_rank(ranks)
-    keys = ("blocks", "tokens", "hits", "queries", "hit_tokens")
+    keys = ("blocks", "tokens", "hits", "queries", "hit_tokens", "blocks_digest")
     assert [{k: r[k] for k in keys} for r in rows] == [{k: rows[0][k] for k in keys}] * len(rows), rows
     return rows[0]
 

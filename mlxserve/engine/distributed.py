@@ -439,6 +439,10 @@ class DistributedEngine(AsyncEngine):
         """Rank 0's counters (every rank's are the same: they decide alike) with the bytes held
         summed over the ranks, and each rank's own numbers under `distributed`."""
         mine = super()._cache_stats()
+        pc = self.prefix_cache
+        if pc is not None:  # which blocks it holds: the same tokens on every rank, if they agree
+            digest = hashlib.sha256(b"".join(sorted(b.hash for b in pc.pool.blocks()))).hexdigest()[:16]
+            mine["prefix_cache"]["blocks_digest"] = digest
         every = gather(mine, _stream())
         if self.rank != 0:
             return mine
@@ -477,7 +481,7 @@ def _add_bytes(out: dict, other: dict) -> None:
 
 def _rank_summary(stats: dict) -> dict:
     pc = stats.get("prefix_cache", {})
-    keep = ("blocks", "bytes", "tokens", "hits", "queries", "hit_tokens")
+    keep = ("blocks", "bytes", "tokens", "hits", "queries", "hit_tokens", "blocks_digest")
     out = {k: pc.get(k) for k in keep if k in pc}
     if isinstance(pc.get("disk"), dict):
         out["disk"] = {k: pc["disk"].get(k) for k in ("files", "bytes", "reads", "writes") if k in pc["disk"]}
