@@ -55,8 +55,16 @@ def cmd_serve(ns) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from mlxserve.engine.distributed import init_group, serve_ranks
+    from mlxserve.engine.distributed import init_group, launch_command, launched, serve_ranks, without_flag
 
+    if server_cfg.distributed and not launched():  # start every host's rank through mlx.launch
+        try:
+            cmd = launch_command(server_cfg.distributed, engine_cfg.distributed_backend,
+                                 without_flag(ns.argv[1:], "--distributed"))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        os.execv(cmd[0], cmd)
     if init_group(engine_cfg.distributed_backend) is not None:  # one of several processes (mlx.launch)
         code = serve_ranks(models, server_cfg, pool_cfg, serve)
     else:
@@ -140,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     ns = build_parser().parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)  # --distributed passes them on to every rank
     if ns.command in ("serve", "generate", "chat", "bench"):
         from mlxserve._blas import check_cpu_blas, check_cuda_backend
 

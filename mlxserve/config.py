@@ -262,6 +262,12 @@ def with_backend_defaults(cfg: EngineConfig) -> EngineConfig:
 class ServerConfig:
     host: str = setting("127.0.0.1", "Address to listen on.")
     port: int = setting(8000, "Port to listen on.")
+    distributed: str | None = setting(
+        None,
+        "Serve one model across the hosts of this mlx.launch hosts file (JSON): the server starts "
+        "itself once per host through mlx.launch (--distributed-backend, ring unless the file names "
+        "one) and this host serves HTTP as rank 0 (the file's first host). See docs/distributed.md.",
+    )
     api_key: str | None = setting(
         None, "Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health "
         "and the web page's own files (its data needs the key).",

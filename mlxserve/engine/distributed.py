@@ -553,6 +553,33 @@ def start_rank0(model_cfg, engine_cfg):
     return loaded, engine
 
 
+def launch_command(hostfile: str, backend: str, serve_args: list[str]) -> list[str]:
+    """The mlx.launch command that runs `mlxserve serve SERVE_ARGS` once per host of `hostfile`
+    (`--distributed`): this Python on every host, so the same install must sit at the same path."""
+    import sys
+
+    if not Path(hostfile).is_file():
+        raise ValueError(f"--distributed {hostfile}: no such hosts file")
+    launcher = "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; sys.exit(main())"
+    cmd = [sys.executable, "-c", launcher, "--hostfile", hostfile]
+    if backend != "any":
+        cmd += ["--backend", backend]
+    return cmd + ["--", sys.executable, "-m", "mlxserve", "serve", *serve_args]
+
+
+def without_flag(args: list[str], flag: str) -> list[str]:
+    """`args` less `flag VALUE` and `flag=VALUE`."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
 def serve_ranks(models, server_cfg, pool_cfg, serve) -> int:
     """`mlxserve serve` in one of several processes: rank 0 serves HTTP (`serve`), the others
     run the engine's steps with it. Returns the process's exit code."""
