@@ -55,7 +55,8 @@ def cmd_serve(ns) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from mlxserve.engine.distributed import init_group, launch_command, launched, serve_ranks, without_flag
+    from mlxserve.engine.collectives import init_group, launched
+    from mlxserve.engine.ranks import launch_command, serve_ranks, without_flag
 
     if server_cfg.distributed and not launched():  # start every host's rank through mlx.launch
         try:

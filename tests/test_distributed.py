@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxserve.engine.distributed import RankMismatch, check_ranks
+from mlxserve.engine.ranks import RankMismatch, check_ranks
 from mlxserve.engine.request import SamplingParams
 from mlxserve.models.files import ModelLoadError
 from mlxserve.models.sharding import choose

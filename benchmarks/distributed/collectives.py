@@ -1,7 +1,7 @@
 """What one collective costs on this machine's MLX backend, from every rank (run under
 mlx.launch, or with MLX_RANK and the backend's variables set; rank 0 prints JSON).
 
-- the step plan a distributed engine sends each step (mlxserve.engine.distributed.share:
+- the step plan a distributed engine sends each step (mlxserve.engine.collectives.share:
   a 1 KB all_sum, evaluated and read back on the host);
 - a tensor-parallel layer's all_sum of a decode step's hidden states (rows x hidden,
   bfloat16), evaluated alone: a 4B model runs 2 per layer, 72 per decode step.
@@ -13,7 +13,7 @@ import time
 
 import mlx.core as mx
 
-from mlxserve.engine import distributed
+from mlxserve.engine import collectives
 
 
 def timed(fn, n: int) -> float:
@@ -26,10 +26,10 @@ def timed(fn, n: int) -> float:
 
 
 def main() -> None:
-    group = distributed.init_group(sys.argv[1] if len(sys.argv) > 1 else "any")
+    group = collectives.init_group(sys.argv[1] if len(sys.argv) > 1 else "any")
     rank = group.rank()
     out = {"ranks": group.size(), "device": str(mx.default_device())}
-    out["plan_share_us"] = timed(lambda: distributed.share((0.0, []), rank), 200)
+    out["plan_share_us"] = timed(lambda: collectives.share((0.0, []), rank), 200)
     for hidden in (2560, 5120):
         for rows in (1, 32):
             x = mx.ones((rows, hidden), dtype=mx.bfloat16)

@@ -33,203 +33,15 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import queue
 import time
 from pathlib import Path
 
-import numpy as np
-
-from mlxserve.engine import plans
+from mlxserve.engine.collectives import engine_stream, all_max, all_min, gather, group, share
 from mlxserve.engine.engine import AsyncEngine, EngineDeadError
 
 log = logging.getLogger("mlxserve.distributed")
 
-# Environment variables that mlx.launch (or mpirun) sets for the processes it starts.
-LAUNCH_ENV = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "MLX_IBV_DEVICES", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-# The step plan travels in a fixed buffer of this many bytes (one collective a step); a plan
-# that is larger (a long prompt's token ids) sends the rest in a second one.
-PLAN_BYTES = 1024
-_HEADER = 4  # the plan's length, little-endian, at the buffer's start
-
-_group = None  # this process's group once init_group() found more than one rank
-
-
-class RankMismatch(ValueError):
-    """The ranks did not load the same model with the same settings and versions."""
-
-
-def launched() -> bool:
-    """Whether a launcher started this process as one of several."""
-    return any(os.environ.get(name) for name in LAUNCH_ENV)
-
-
-def init_group(backend: str = "any"):
-    """The distributed group of this process when mlx.launch started several, else None."""
-    global _group
-    if _group is None and launched():
-        import mlx.core as mx
-
-        group = mx.distributed.init(strict=True, backend=backend)
-        _group = group if group.size() > 1 else None
-    return _group
-
-
-def group():
-    """The group init_group() found, or None (one process)."""
-    return _group
-
-
-# ---- collectives (the MLX thread's generation stream once the engine runs) ----
-
-def _stream():
-    from mlx_lm.generate import generation_stream
-
-    return generation_stream
-
-
-def _all(op: str, values, dtype="int64", stream=None) -> np.ndarray:
-    import mlx.core as mx
-
-    x = mx.array(np.asarray(values), dtype=getattr(mx, dtype))
-    out = getattr(mx.distributed, op)(x, group=_group, stream=stream)
-    mx.eval(out)
-    return np.array(out)
-
-
-def _gathered(values, dtype: str, stream) -> np.ndarray:
-    """Every rank's `values` as rows, by an all_sum of rows that each rank fills its own of
-    (all_sum: the collective every backend has)."""
-    rows = np.zeros((_group.size(), len(values)), dtype=dtype)
-    rows[_group.rank()] = values
-    return _all("all_sum", rows, dtype, stream)
-
-
-def all_min(flags, stream=None) -> np.ndarray:
-    return _gathered(flags, "int32", stream).min(axis=0)
-
-
-def all_max(values, stream=None) -> np.ndarray:
-    return _gathered(values, "int64", stream).max(axis=0)
-
-
-def gather(obj, stream=None) -> list:
-    """Every rank's `obj` (picklable), in rank order, on every rank."""
-    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-    sizes = _gathered([len(data)], "int64", stream)[:, 0]
-    rows = np.zeros((_group.size(), int(sizes.max())), np.uint8)
-    rows[_group.rank(), : len(data)] = data
-    rows = _all("all_sum", rows, "uint8", stream)
-    return [pickle.loads(rows[r, : int(n)].tobytes()) for r, n in enumerate(sizes)]
-
-
-def share(obj, rank: int, stream=None):
-    """Rank 0's `obj`, on every rank (the others pass None)."""
-    import mlx.core as mx
-
-    data = pickle.dumps(obj) if rank == 0 else b""
-    head = np.zeros(PLAN_BYTES, np.uint8)
-    if rank == 0:
-        head[:_HEADER] = np.frombuffer(len(data).to_bytes(_HEADER, "little"), np.uint8)
-        first = data[: PLAN_BYTES - _HEADER]
-        head[_HEADER: _HEADER + len(first)] = np.frombuffer(first, np.uint8)
-    head = _all("all_sum", head, "uint8", stream)
-    n = int.from_bytes(head[:_HEADER].tobytes(), "little")
-    body = head[_HEADER: _HEADER + n].tobytes()
-    rest = n - len(body)
-    if rest > 0:  # a plan past the fixed buffer: the rest in one more collective
-        tail = np.frombuffer(data[len(body):], np.uint8) if rank == 0 else np.zeros(rest, np.uint8)
-        body += _all("all_sum", tail, "uint8", stream).tobytes()
-    return pickle.loads(body) if rank != 0 else obj
-
-
-# ---- loading and start-up checks ----
-
-def model_identity(loaded) -> str:
-    """What identifies the weights on every machine alike: the dummy model's fingerprint (a hash
-    of its config and seed), or a folder's config and weight files' names, sizes and headers
-    (its fingerprint hashes modification times, which differ between copies on two machines)."""
-    folder = loaded.tokenizer_dir
-    if not loaded.fingerprint or folder is None or not any(Path(folder).glob("*.safetensors")):
-        return loaded.fingerprint
-    h = hashlib.sha256((Path(folder) / "config.json").read_bytes())
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            h.update(f"\0{path.name}\0{path.stat().st_size}\0".encode() + f.read(min(header_len, 100_000_000)))
-    return h.hexdigest()
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for p in ("mlxserve", "mlx", "mlx-lm"):
-        try:
-            out[p] = version(p)
-        except PackageNotFoundError:
-            out[p] = None
-    return out
-
-
-def _facts(model_cfg, engine_cfg) -> dict:
-    """What every rank must share before loading: versions, the model's and engine's settings."""
-    engine = dataclasses.asdict(engine_cfg)
-    engine.pop("disk_cache_dir", None)  # each rank's own folder (a path per machine)
-    return {"versions": _versions(), "model": dataclasses.asdict(model_cfg), "engine": engine,
-            "ranks": _group.size()}
-
-
-def check_ranks(reports: list[dict]) -> None:
-    """Raise RankMismatch naming what differs, if any rank failed to load or differs from rank 0."""
-    failed = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if rep.get("error")]
-    if failed:
-        raise RankMismatch("the model failed to load on " + "; ".join(failed))
-    diffs = []
-
-    def walk(a, b, path, r):
-        if isinstance(a, dict) and isinstance(b, dict):
-            for k in sorted(set(a) | set(b)):
-                walk(a.get(k), b.get(k), f"{path}.{k}" if path else k, r)
-        elif a != b:
-            diffs.append(f"{path}: rank 0 has {a!r}, rank {r} has {b!r}")
-
-    for r, rep in enumerate(reports[1:], 1):
-        walk(reports[0]["facts"], rep["facts"], "", r)
-    if diffs:
-        raise RankMismatch("the ranks differ, so they cannot serve one model together: " + "; ".join(diffs))
-
-
-def load_rank(model_cfg, engine_cfg):
-    """Load this rank's part of the model, check every rank loaded the same, and return it
-    (every rank calls this at start, together). Raises RankMismatch or the load's error."""
-    from mlxserve.models.load import load_configured
-    from mlxserve.models.sharding import Sharding
-
-    sharding = Sharding(_group, engine_cfg.parallel)
-    # Settings and versions first: a mismatch is refused before anything loads.
-    check_ranks(gather({"error": None, "facts": _facts(model_cfg, engine_cfg)}))
-    loaded, error = None, None
-    try:
-        if model_cfg.draft_model or engine_cfg.speculative:
-            raise ValueError("speculative decoding is not served across processes: drop --draft-model/--speculative")
-        if engine_cfg.engine_process:
-            raise ValueError("--engine-process does not combine with serving across processes")
-        loaded = load_configured(model_cfg, sharding=sharding)
-    except Exception as e:  # noqa: BLE001 - reported by every rank, below
-        error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    # Then what was loaded: the same weights, split the same way.
-    check_ranks(gather({"error": error, "facts": {
-        "weights": model_identity(loaded) if loaded is not None else None, "parallel": sharding.mode}}))
-    # Block hashes must be the same on every rank: the weights' identity, not a folder's mtimes,
-    # and the split (blocks of another split hold other slices of the KV).
-    loaded.fingerprint = hashlib.sha256(
-        f"{model_identity(loaded)}/{sharding.mode}{sharding.size}".encode()).hexdigest()
-    log.info("rank %d: %s", sharding.rank, sharding.describe())
-    return loaded, sharding, plans.connect(sharding.rank, sharding.size, gather)
-
-
-# ---- the engine ----
 
 class _NoInbox:
     """A worker rank's command queue: nothing arrives here (its commands are rank 0's plans),
@@ -300,7 +112,7 @@ class DistributedEngine(AsyncEngine):
         scheduler = self._scheduler = super()._setup()
         scheduler.clock = lambda: self._plan_now  # rank 0's clock of this step, on every rank
         scheduler.step = self._guarded(scheduler.step)
-        stream = _stream()
+        stream = engine_stream()
         self._agree_kv_budget(scheduler, stream)
         pc = self.prefix_cache
         if pc is not None and pc.disk is not None:
@@ -334,7 +146,7 @@ class DistributedEngine(AsyncEngine):
                 everywhere = False
                 if not _peer_lost(e):
                     try:
-                        everywhere = int(all_min([1], _stream())[0]) == 1
+                        everywhere = int(all_min([1], engine_stream())[0]) == 1
                     except Exception:  # noqa: BLE001
                         pass
                 if everywhere:
@@ -387,7 +199,7 @@ class DistributedEngine(AsyncEngine):
                 last = wd.last_step_s
                 wd.begin()
                 try:
-                    now, plan = share(payload, self.rank, _stream())
+                    now, plan = share(payload, self.rank, engine_stream())
                 finally:
                     wd.end()
                     wd.last_step_s = last
@@ -443,7 +255,7 @@ class DistributedEngine(AsyncEngine):
         if pc is not None:  # which blocks it holds: the same tokens on every rank, if they agree
             digest = hashlib.sha256(b"".join(sorted(b.hash for b in pc.pool.blocks()))).hexdigest()[:16]
             mine["prefix_cache"]["blocks_digest"] = digest
-        every = gather(mine, _stream())
+        every = gather(mine, engine_stream())
         if self.rank != 0:
             return mine
         out = json.loads(json.dumps(every[0]))
@@ -527,75 +339,5 @@ class AgreedDisk:
 
 
 def _rank() -> int:
-    return _group.rank() if _group is not None else 0
-
-
-# ---- the ranks past 0 ----
-
-def run_worker(model_cfg, engine_cfg) -> int:
-    """A rank past 0: load its part, run the engine on rank 0's plans until rank 0 stops (0) or
-    is lost (1). It serves nothing itself."""
-    loaded, sharding, channel = load_rank(model_cfg, engine_cfg)
-    engine = DistributedEngine(loaded, engine_cfg, sharding, channel).start()
-    engine._thread.join()
-    channel.close()
-    if engine.fatal_error:
-        log.error("rank %d stops: %s", sharding.rank, engine.fatal_error.strip().splitlines()[0])
-        return 1
-    return 0
-
-
-def start_rank0(model_cfg, engine_cfg):
-    """Rank 0's model and engine (the server's model pool calls this)."""
-    loaded, sharding, channel = load_rank(model_cfg, engine_cfg)
-    engine = DistributedEngine(loaded, engine_cfg, sharding, channel).start()
-    channel.watch(lambda rank: engine._lost(f"rank {rank} is gone: its connection to rank 0 closed"))
-    return loaded, engine
-
-
-def launch_command(hostfile: str, backend: str, serve_args: list[str]) -> list[str]:
-    """The mlx.launch command that runs `mlxserve serve SERVE_ARGS` once per host of `hostfile`
-    (`--distributed`): this Python on every host, so the same install must sit at the same path."""
-    import sys
-
-    if not Path(hostfile).is_file():
-        raise ValueError(f"--distributed {hostfile}: no such hosts file")
-    launcher = "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; sys.exit(main())"
-    cmd = [sys.executable, "-c", launcher, "--hostfile", hostfile]
-    if backend != "any":
-        cmd += ["--backend", backend]
-    return cmd + ["--", sys.executable, "-m", "mlxserve", "serve", *serve_args]
-
-
-def without_flag(args: list[str], flag: str) -> list[str]:
-    """`args` less `flag VALUE` and `flag=VALUE`."""
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a == flag:
-            skip = True
-        elif not a.startswith(flag + "="):
-            out.append(a)
-    return out
-
-
-def serve_ranks(models, server_cfg, pool_cfg, serve) -> int:
-    """`mlxserve serve` in one of several processes: rank 0 serves HTTP (`serve`), the others
-    run the engine's steps with it. Returns the process's exit code."""
-    rank = _group.rank()
-    logging.basicConfig(level=server_cfg.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
-    if len(models) != 1:
-        log.error("serving across processes takes one model; %d were named", len(models))
-        return 2
-    if pool_cfg.model_ttl is not None:
-        log.error("--model-ttl: a model served across processes stays loaded (every rank holds a part)")
-        return 2
-    if rank == 0:
-        return serve(models, server_cfg, pool_cfg)
-    try:
-        return run_worker(models[0].model, models[0].engine)
-    except ValueError as e:  # RankMismatch, a bad setting or model: said on rank 0 too
-        log.error("%s", e)
-        return 2
+    g = group()
+    return g.rank() if g is not None else 0

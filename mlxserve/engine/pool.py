@@ -328,10 +328,12 @@ class ModelPool:
         """(worker thread) Load the weights, start the engine, build the API's state."""
         from mlxserve.models.load import load_configured
 
-        from mlxserve.engine import distributed
+        from mlxserve.engine import collectives
 
-        if distributed.group() is not None:  # rank 0 of several processes (mlx.launch)
-            loaded, engine = distributed.start_rank0(entry.spec.model, entry.spec.engine)
+        if collectives.group() is not None:  # rank 0 of several processes (mlx.launch)
+            from mlxserve.engine.ranks import start_rank0
+
+            loaded, engine = start_rank0(entry.spec.model, entry.spec.engine)
         elif entry.spec.engine.engine_process:  # the child loads it; here only its tokenizer
             from mlxserve.engine.process import ProcessEngine
 
