@@ -181,6 +181,11 @@ def test_dense_tensor_parallel_same_tokens_batched_cached_and_from_disk(launch, 
     assert ranks.get("/health")[1]["distributed"] == {"ranks": 2, "parallel": "tensor"}
     assert texts([ranks.complete(PROMPTS[0])]) == want[:1]
     assert texts(ranks.complete_all(PROMPTS)) == want
+    # A stop string ends a request on rank 0 (an abort in the next plan): the text up to it, and
+    # the ranks stay in step (every later request below).
+    stop = want[1][4:8]
+    cut = ranks.complete(PROMPTS[1], stop=[stop])["choices"][0]
+    assert cut["text"] == want[1][: want[1].index(stop)] and cut["finish_reason"] == "stop"
     # The disk tier's writer threads run at their own pace: wait until every rank has written.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(r["disk"]["writes"] >= 4 for r in per_rank(ranks)):
