@@ -121,9 +121,16 @@ class DistributedEngine(AsyncEngine):
             # A stage's blocks hold its own layers' KV, which may weigh more or less than another
             # stage's: every rank counts a block at the heaviest stage's bytes, so the pools evict alike.
             pc.pool._sizeof = _agreed_size(pc.pool._sizeof, stream)
-        disabled = gather(bool(pc is not None and pc.disabled), stream)
-        if pc is not None and any(disabled) and not pc.disabled:
-            pc._disable("another rank cannot cache its part of the model")
+        # A cache decides by the kinds of layers it holds (a recurrent state is kept only at
+        # checkpoints, a window's blocks expire): pipeline stages of a hybrid model hold different
+        # kinds and would decide apart, so such a split runs uncached, as does one a rank cannot cache.
+        from mlxserve.cache.layers import describe_specs
+
+        kinds = None if pc is None or pc.disabled else sorted(describe_specs(pc.specs or ()))
+        every = gather(kinds, stream)
+        if pc is not None and not pc.disabled and any(k != kinds for k in every):
+            pc._disable("the ranks' parts of the model hold different kinds of layers (or one cannot be "
+                        f"cached: {every}), so their caches would decide apart")
         return scheduler
 
     def _agree_kv_budget(self, scheduler, stream) -> None:
