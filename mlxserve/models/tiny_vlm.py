@@ -87,7 +87,8 @@ def tiny_vlm_config(model_type: str) -> dict:
     module = vlm_module(model_type)
     text_type = _default(module.TextConfig, "model_type") or model_type
     text = _fill(module.TextConfig, text_type)
-    text["tie_word_embeddings"] = False
+    if "tie_word_embeddings" in module.TextConfig.__dataclass_fields__:  # (Phi-4-SigLIP's takes no other field)
+        text["tie_word_embeddings"] = False
     vision = _fill_vision(module.VisionConfig)
     # The class's own vision model type, else the model type (what most towers accept).
     vision["model_type"] = _default(module.VisionConfig, "model_type") or model_type
@@ -278,6 +279,9 @@ OVERRIDES: dict[str, dict] = {
                                             "params": {"projector_type": "mlp_gelu", "depth": 2}}},
     # A SigLIP tower on 64 px tiles (16 tokens each), its projector 64 wide.
     "plamo2vl": {"vision_config": {"image_feature_size": VISION_WIDTH, "image_proj_hidden_size": HIDDEN}},
+    # A SigLIP-2 NaFlex tower of 16 px patches, 4 to 16 of them an image (a 4 x 4 position grid).
+    "phi4_siglip": {"mm_vision_tower": "siglip2-so400m-patch16-naflex", "mm_hidden_size": VISION_WIDTH,
+                    "min_num_patches": 4, "max_num_patches": 16, "vision_config": {"num_patches": 16}},
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
     # The processor's fixed sizes: a 728 px image, 14 px patches, downsampled 4x a side to 13 x 13 tokens.

@@ -183,8 +183,6 @@ VLM_REFUSED: dict[str, str] = {
     "nemotron_parse": ENCODER_DECODER,
     "paligemma": ("its prefix attends both ways over the whole prompt (image and text): a prompt cut into chunks "
                   "or continued from cached blocks would change its tokens"),
-    "phi4_siglip": OUTSIDE_VOCABULARY.format(what="one id -200, which mlx-vlm's merge expands into the image's rows "
-                                                  "(one for each of its SigLIP-2 patches)"),
     "qwen3_vl_embedding": EMBEDDING,
     "qwen4_exp": ("its attention layers keep, beside keys and values, the indexer's unprojected keys and their "
                   "multimodal positions a token (mlx-vlm's QSAKVCache): the prefix cache's layer kinds "

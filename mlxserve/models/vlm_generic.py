@@ -255,6 +255,8 @@ FAMILIES = {
     "fastvlm": Family("fastvlm", (None, None), tiny_preprocessor={"size": {"shortest_edge": 128},
                                                                   "crop_size": {"height": 128, "width": 128}}),
     "phi3_v": Family("phi3_v", (None, None), tiny_preprocessor={"num_crops": 1}),
+    # Phi-4-SigLIP's -200: one row a SigLIP-2 NaFlex patch (4 to 16 patches of 16 px in the tiny config).
+    "phi4_siglip": Family("phi4_siglip", (None, None), tiny_preprocessor={}),
     # The whole image (728 px, 169 tokens) after its crops (504 px, 81 tokens each, rows ended by
     # <patch_newline>), each between its marks; sizes fixed by the processor.
     "step3p7": Family("mlx_vlm.models.step3p7.processing_step3p7:Step3VLProcessor", (None, None),

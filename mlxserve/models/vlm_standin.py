@@ -148,4 +148,46 @@ class Phi3VImages(MarkedImages):
         return (-1,) * self.proc.calc_num_image_tokens(image)
 
 
-MARKED = {"llava_bunny": BunnyImages, "fastvlm": FastVLMImages, "phi3_v": Phi3VImages}
+class Phi4SiglipImages(MarkedImages):
+    """Phi-4-SigLIP: "<image>" is its IMAGE_TOKEN_INDEX (-200), which mlx-vlm's merge expands into
+    one row a valid SigLIP-2 NaFlex patch: the image resized to a patch grid under max_num_patches
+    (its count varies with the aspect, so each image's rows are its pixel_attention_mask's sum, not
+    a probe's). Its image processor as mlx-vlm's Phi4SigLipProcessor.from_pretrained builds it from
+    config.json, in transformers' PIL backend (the other needs torch); NaFlex always: mlx-vlm's
+    tower takes NaFlex patches and their spatial shapes only."""
+
+    def __init__(self, config: dict, pc: dict, tokenizer):
+        super().__init__(config, pc, tokenizer)
+        import transformers
+        from mlx_vlm.models.phi4_siglip.processing_phi4_siglip import IMAGE_TOKEN_INDEX
+
+        self.marker = IMAGE_TOKEN_INDEX
+        vc, tower = config.get("vision_config") or {}, (config.get("mm_vision_tower") or "").lower()
+        patch = vc.get("patch_size") or (14 if "patch14" in tower else 16)
+        self.proc = transformers.Siglip2ImageProcessorPil(
+            patch_size=patch, max_num_patches=config.get("max_num_patches", 3600),
+            min_num_patches=config.get("min_num_patches", 256), do_resize=True, do_rescale=True, do_normalize=True,
+            image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+
+    def _run(self, image) -> dict:
+        out = self.proc(images=[image.convert("RGB")], return_tensors="np")
+        return {k: np.asarray(out[k]) for k in ("pixel_values", "spatial_shapes", "pixel_attention_mask")}
+
+    def probe(self) -> ImageInput:
+        from PIL import Image
+
+        out = self._run(Image.new("RGB", (64, 48), (127, 90, 30)))
+        return ImageInput(out.pop("pixel_values").astype(np.float32), None, 0, tower_ids=(self.marker,), extras=out)
+
+    def layout(self, image) -> ImageInput:
+        out = self._run(image)
+        n = int(out["pixel_attention_mask"].sum())
+        return ImageInput(out.pop("pixel_values").astype(np.float32), None, n, ids=(self.stand_in,) * n,
+                          tower_ids=(self.marker,), extras=out)
+
+    def pixels(self, image) -> np.ndarray:
+        return self._run(image)["pixel_values"].astype(np.float32)
+
+
+MARKED = {"llava_bunny": BunnyImages, "fastvlm": FastVLMImages, "phi3_v": Phi3VImages,
+          "phi4_siglip": Phi4SiglipImages}
