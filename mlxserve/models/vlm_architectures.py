@@ -109,11 +109,6 @@ TEXT_ONLY = ("a text model mlx-lm {version} does not have (mlxserve runs text mo
 NOT_YET = "not served with images yet: {what}; mlx-lm has no text model of it either"
 TILES = NOT_YET.format(what="its processor cuts an image into tiles or crops (and a thumbnail), with tokens "
                             "between rows or tiles")
-# Image rows with no token of the vocabulary to stand for them: mlxserve lays a prompt out as its
-# tokenizer's ids (the chat template renders an image's tokens as text; the prefix cache keys blocks by
-# ids, one a row), so a family whose processor marks images with ids outside the vocabulary cannot be.
-OUTSIDE_VOCABULARY = ("its prompt marks an image with {what}, not with a token of its vocabulary: mlxserve lays "
-                      "a prompt out as its tokenizer's ids, one for each row the language model reads")
 # Families whose processor mlx-vlm does not have.
 NO_PROCESSOR = ("mlx-vlm ships no processor for it (it takes whatever its checkpoint names through transformers' "
                 "AutoProcessor): how an image is cut into the tower's input and how many tokens it takes are not in "
