@@ -290,6 +290,19 @@ def test_a_model_without_either_way_is_refused_naming_both():
     assert choose(qwen3, "auto", "qwen3") == "tensor"
 
 
+def test_pipeline_parallel_is_refused_on_cuda(monkeypatch):
+    """MLX's CUDA backend has no send/recv (measured on two H100s: the first step failed with
+    'Recv has no CUDA implementation'): refused at start, not at a request."""
+    from mlxserve.models import sharding
+    from mlxserve.models.load import load
+
+    moe = load("qwen3_moe", load_format="dummy", progress=False).model
+    assert choose(moe, "pipeline", "qwen3_moe") == "pipeline"
+    monkeypatch.setattr(sharding, "on_cuda", lambda: True)
+    with pytest.raises(ModelLoadError, match="no CUDA implementation"):
+        choose(moe, "pipeline", "qwen3_moe")
+
+
 def test_check_ranks_names_a_failed_load_and_what_differs():
     same = {"versions": {"mlx": "1"}, "engine": {"max_num_seqs": 8}}
     with pytest.raises(RankMismatch, match="rank 1: no such file"):

@@ -37,13 +37,27 @@ def choose(model, wanted: str, model_type: str) -> str:
             f"parallelism (Model.shard()) nor pipeline parallelism (model.pipeline()) for this "
             "architecture. Serve it on one device, or pick a model whose mlx-lm class has one of them.")
     if wanted == "auto":
-        return "tensor" if has["tensor"] else "pipeline"
-    if not has[wanted]:
+        mode = "tensor" if has["tensor"] else "pipeline"
+    elif not has[wanted]:
         other = "pipeline" if wanted == "tensor" else "tensor"
         raise ModelLoadError(
             f"--parallel {wanted}: mlx-lm has no {wanted} parallelism for {model_type!r} models; "
             f"it has {other} parallelism (--parallel {other} or auto).")
-    return wanted
+    else:
+        mode = wanted
+    if mode == "pipeline" and on_cuda():
+        raise ModelLoadError(
+            f"pipeline parallelism cannot run on MLX's CUDA backend: the send and recv that pass the hidden "
+            f"state between ranks have no CUDA implementation (MLX 0.32.4, 'Recv has no CUDA implementation' "
+            f"on the first step); {'serve it with --parallel tensor' if has['tensor'] else f'mlx-lm has no tensor parallelism for {model_type!r} models either'}.")
+    return mode
+
+
+def on_cuda() -> bool:
+    """Whether MLX computes on a CUDA GPU here."""
+    import mlx.core as mx
+
+    return mx.cuda.is_available() and mx.default_device().type == mx.DeviceType.gpu
 
 
 @dataclass
