@@ -42,7 +42,8 @@ class LoadedModel:
 
     def with_vision(self, processor_config: dict) -> "LoadedModel":
         """For a VLM: wrap it in its family's adapter; `model` becomes the text half."""
-        from mlxserve.models.vlm import is_vlm_config, make_adapter
+        from mlxserve.models.vlm import is_vlm_config
+        from mlxserve.models.vlm_generic import make_adapter
 
         if is_vlm_config(self.config) and self.vision is None:
             self.vision = make_adapter(self.model, self.config, processor_config, self.tokenizer)

@@ -30,7 +30,7 @@ VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "gemma3", "llava")  # hand-written ada
 
 
 def is_vlm_config(config: dict) -> bool:
-    from mlxserve.models.vlm_generic import FAMILIES
+    from mlxserve.models.vlm_families import FAMILIES
 
     return "vision_config" in config and config.get("model_type") in (*VLM_FAMILIES, *FAMILIES)
 
@@ -567,16 +567,10 @@ class Llava(SquareTower):
 ADAPTERS = {"qwen2_5_vl": QwenVL, "qwen2_vl": QwenVL, "gemma3": Gemma3VL, "llava": Llava}
 
 
-def make_adapter(model, config: dict, processor_config: dict, tokenizer) -> VisionAdapter:
-    """The family's hand-written adapter, else the generic one (mlxserve/models/vlm_generic.py)."""
-    from mlxserve.models.vlm_generic import GenericVLM
-
-    return ADAPTERS.get(config["model_type"], GenericVLM)(model, config, processor_config, tokenizer)
-
-
 def check_supported(config: dict) -> None:
     """Raise ModelLoadError for a VLM config that cannot be served exactly (before weights are read)."""
-    from mlxserve.models.vlm_generic import FAMILIES, check_supported
+    from mlxserve.models.vlm_families import FAMILIES
+    from mlxserve.models.vlm_patches import check_supported
 
     if config.get("model_type") in FAMILIES:
         check_supported(config)

@@ -10,32 +10,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass
 
 import numpy as np
 
 from mlxserve.models.vlm import ImageInput
+from mlxserve.models.vlm_families import ProcessorSpec  # noqa: F401 - its users import it from here too
 from mlxserve.models.vlm_images import OwnLayout, image_settings
-
-
-@dataclass(frozen=True)
-class ProcessorSpec:
-    # The token texts the processor reads off the tokenizer and does not add itself (tiny
-    # configs add them: models/tiny_vlm.py).
-    tokens: tuple[str, ...] = ()
-    pixels: str = "pixel_values"  # the processor's output holding the tower's input
-    inputs: tuple[str, ...] = ()  # its other outputs get_input_embeddings takes (the rest are dropped)
-    positions: tuple[str, ...] = ()  # of those, positions in its ids (negative: none)
-    masks: tuple[str, ...] = ()  # of those, masks over its ids
-    # The token its image rows take, where the config names none (Molmo's <im_patch>).
-    image_token: str | None = None
-    # Config keys of token ids the model reads, by their text (Molmo2's image_patch_id: "<im_patch>"):
-    # tiny configs set them to the tiny tokenizer's ids.
-    config_tokens: dict | None = None
-    # It starts its ids with the tokenizer's BOS whatever the tokenizer adds (DeepSeek-VL2's): dropped
-    # from the span (the chat template places the prompt's own); a tokenizer without one (a tiny
-    # config's) lends it its EOS, to be dropped the same way.
-    bos: bool = False
 
 
 def build_processor(processor: str, pc: dict, tokenizer, image_processor: str | None = None):
