@@ -145,7 +145,10 @@ class GenericVLM(VisionAdapter):
         return tower_blocks(vision_tower(self.model))
 
     def _layout(self, image) -> ImageInput:
-        return self.images.layout(image)
+        inp = self.images.layout(image)
+        if self.expands is not None:  # the tower is given the one id its merge expands (Phi-4-MM's -200)
+            inp.tower_ids = (self.expands,)
+        return inp
 
     def _pixels(self, image) -> np.ndarray:
         return self.images.pixels(image)
@@ -191,8 +194,7 @@ class GenericVLM(VisionAdapter):
 
         pixels = mx.array(self.pixels(image))
         if image.video is None:
-            ids = mx.array([list(image.tower_ids) if image.tower_ids is not None else
-                            [self.expands] if self.expands is not None else self._image_ids(image)])
+            ids = mx.array([list(image.tower_ids) if image.tower_ids is not None else self._image_ids(image)])
             kwargs = {"pixel_values": pixels, **self.images.image_kwargs(image)}
         else:
             ids = mx.array([[self.video_token_id] * image.num_tokens])
@@ -232,10 +234,8 @@ class GenericVLM(VisionAdapter):
         merge expands one id into an image's rows has that id where each image's run is."""
         out = list(token_ids)
         for im in sorted(images, key=lambda im: im.start, reverse=True):
-            if im.pixels.tower_ids is not None:  # the processor's own marks (models/vlm_standin.py)
+            if im.pixels.tower_ids is not None:  # the processor's own marks, or the one id its merge expands
                 out[im.start: im.start + im.num_tokens] = im.pixels.tower_ids
-            elif self.expands is not None:
-                out[im.start: im.start + im.num_tokens] = [self.expands]
         return out
 
     def inputs(self, token_ids, spans) -> dict:
