@@ -1,19 +1,11 @@
 """Shared fixtures: tiny random-weight models of real architectures, loaded once per session."""
 
 import asyncio
-import ctypes
 import functools
-import os
 
 import pytest
 
 import mlxserve  # noqa: F401 - preloads OpenBLAS before MLX is imported
-from mlxserve import _blas
-
-if _blas.openblas_path and not os.environ.get("OPENBLAS_NUM_THREADS"):
-    # Tiny models' matmuls gain nothing from OpenBLAS's threads, which spin between calls and
-    # take a core from the server's and engine's threads on a 2-core CI machine.
-    ctypes.CDLL(_blas.openblas_path).openblas_set_num_threads(1)
 
 
 @functools.lru_cache(maxsize=None)
