@@ -278,18 +278,37 @@ class OwnLayout:
 
     def __init__(self, processor: str, image_processor: str, config: dict, pc: dict, tokenizer,
                  placeholder: str | None = None):
+        self._build(tokenizer, lambda tok: own_processor(processor, image_processor, pc, tok))
+        self.placeholder = placeholder or self.proc.image_token
+
+    def _build(self, tokenizer, build, prepare=None) -> None:
+        """`self.proc = build(tokenizer)`, on a copy of the tokenizer (`prepare` may set it up).
+
+        The processor adds its image tokens to the tokenizer it is given (a no-op for the model's
+        own, which has them): given a copy, a tokenizer that lacks them is found and refused."""
         import copy
 
-        # The processor adds its image tokens to the tokenizer it is given (a no-op for the model's
-        # own, which has them): given a copy, a tokenizer that lacks them is found and refused.
         self.tokenizer = copy.deepcopy(tokenizer)
         size = len(self.tokenizer)
-        self.proc = own_processor(processor, image_processor, pc, self.tokenizer)
+        if prepare is not None:
+            prepare(self.tokenizer)
+        self.proc = build(self.tokenizer)
         if len(self.tokenizer) != size:
             added = self.tokenizer.convert_ids_to_tokens(list(range(size, len(self.tokenizer))))
             raise ValueError(f"the tokenizer lacks the processor's image tokens {added}")
-        self.placeholder = placeholder or self.proc.image_token
         self._bos = self.tokenizer("")["input_ids"]  # what the tokenizer adds around any text
+
+    def _span(self, ids: list[int], bos: list[int]) -> tuple[list[int], int]:
+        """The image's span in the processor's `ids` (without the `bos` it starts with, or the
+        tokenizer's closing token), and how many ids were dropped before it; checked to
+        tokenize back to itself, as its placeholder text will be."""
+        head = 1 if bos and ids[:1] == bos else 0
+        tail = 1 if len(self._bos) > 1 and ids[-1:] == self._bos[-1:] else 0
+        ids = ids[head: len(ids) - tail]
+        text = self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        if self.tokenizer(text, add_special_tokens=False)["input_ids"] != ids:
+            raise ValueError("the processor's image layout does not tokenize back to itself")
+        return ids, head
 
     def token_id(self) -> int:
         return self.tokenizer.convert_tokens_to_ids(self.placeholder)
@@ -300,14 +319,7 @@ class OwnLayout:
 
     def layout(self, image) -> ImageInput:
         out = self._run(image)
-        ids = [int(t) for t in out.pop("input_ids")[0]]
-        if self._bos and ids[: len(self._bos[:1])] == self._bos[:1]:
-            ids = ids[1:]
-        if len(self._bos) > 1 and ids[-1:] == self._bos[-1:]:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
-        if self.tokenizer(text, add_special_tokens=False)["input_ids"] != ids:
-            raise ValueError("the processor's image layout does not tokenize back to itself")
+        ids, _ = self._span([int(t) for t in out.pop("input_ids")[0]], self._bos[:1])
         pixels = out.pop("pixel_values")
         return ImageInput(pixels, None, len(ids), ids=tuple(ids), extras=out)
 

@@ -38,24 +38,18 @@ class ProcessorSpans(OwnLayout):
 
     def __init__(self, processor: str, spec: ProcessorSpec, config: dict, pc: dict, tokenizer,
                  image_processor: str | None = None, placeholder: str | None = None):
-        import copy
+        def lend_bos(tok):  # a tokenizer without a BOS (a tiny config's) lends it its EOS
+            if spec.bos and tok.bos_token is None:
+                tok.bos_token = tok.eos_token
 
         self.spec = spec
-        self.tokenizer = copy.deepcopy(tokenizer)
-        size = len(self.tokenizer)
-        if spec.bos and self.tokenizer.bos_token is None:
-            self.tokenizer.bos_token = self.tokenizer.eos_token
-        self.proc = build_processor(processor, pc, self.tokenizer, image_processor)
-        if len(self.tokenizer) != size:
-            added = self.tokenizer.convert_ids_to_tokens(list(range(size, len(self.tokenizer))))
-            raise ValueError(f"the tokenizer lacks the processor's tokens {added}")
+        self._build(tokenizer, lambda tok: build_processor(processor, pc, tok, image_processor), lend_bos)
         unknown = (None, self.tokenizer.unk_token_id)
         missing = [t for t in spec.tokens if self.tokenizer.convert_tokens_to_ids(t) in unknown]
         if missing:
             raise ValueError(f"the tokenizer lacks the processor's tokens {missing}")
         # Molmo's processor puts the image before whatever text it is given: its placeholder is "".
         self.placeholder = placeholder if placeholder is not None else self.proc.image_token
-        self._bos = self.tokenizer("")["input_ids"]
 
     def token_id(self) -> int:
         return self.tokenizer.convert_tokens_to_ids(self.spec.image_token or self.placeholder)
@@ -70,13 +64,7 @@ class ProcessorSpans(OwnLayout):
     def layout(self, image) -> ImageInput:
         out = self._run(image)
         ids = [int(t) for t in np.asarray(out.pop("input_ids")).reshape(-1)]
-        bos = self._bos[:1] or ([self.tokenizer.bos_token_id] if self.spec.bos else [])
-        head = 1 if bos and ids[:1] == bos else 0
-        tail = 1 if len(self._bos) > 1 and ids[-1:] == self._bos[-1:] else 0
-        ids = ids[head: len(ids) - tail]
-        text = self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
-        if self.tokenizer(text, add_special_tokens=False)["input_ids"] != ids:
-            raise ValueError("the processor's image layout does not tokenize back to itself")
+        ids, head = self._span(ids, self._bos[:1] or ([self.tokenizer.bos_token_id] if self.spec.bos else []))
         pixels = out.pop(self.spec.pixels)
         for k in self.spec.positions:  # positions in the span, not in the processor's ids
             out[k] = np.where(out[k] >= 0, out[k] - head, out[k])
