@@ -195,12 +195,7 @@ def load_dummy(source: str, dtype, quantize_bits, seed, sharding=None) -> Loaded
         sort_keys=True,
     )
     name = served_name(source, "dummy")
-    tokenizer = default_tokenizer()
-    if config.get("added_tokens"):  # a tiny config's image tokens (models/tiny_vlm.py)
-        from mlxserve.models.chat import hf_of
-
-        tokenizer = copy.deepcopy(tokenizer)
-        hf_of(tokenizer).add_special_tokens({"additional_special_tokens": config["added_tokens"]})
+    tokenizer = default_tokenizer_with(tuple(config.get("added_tokens") or ()))
     materialize(model)
     return LoadedModel(
         model=model,
@@ -231,6 +226,19 @@ def _no_vision_sharded(config: dict, source: str) -> None:
     if is_vlm_config(config):
         raise ModelLoadError(f"{source}: vision-language models are not served across processes yet; "
                              "serve it on one device")
+
+
+@functools.lru_cache(maxsize=16)
+def default_tokenizer_with(added: tuple[str, ...]):
+    """The default tokenizer with a tiny config's image tokens added (models/tiny_vlm.py): a copy
+    made once per set of tokens (~1 s), shared like default_tokenizer itself."""
+    if not added:
+        return default_tokenizer()
+    from mlxserve.models.chat import hf_of
+
+    tokenizer = copy.deepcopy(default_tokenizer())
+    hf_of(tokenizer).add_special_tokens({"additional_special_tokens": list(added)})
+    return tokenizer
 
 
 def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits, sharding=None) -> LoadedModel:
