@@ -20,7 +20,7 @@ from schemathesis import GenerationMode
 
 # Examples per operation and mode; MLXSERVE_FUZZ_EXAMPLES raises it for a longer local run.
 EXAMPLES = int(os.environ.get("MLXSERVE_FUZZ_EXAMPLES", "100"))
-BUDGET_S = float(os.environ.get("MLXSERVE_FUZZ_BUDGET_S", "60"))  # CI: the suite keeps under 30 min
+BUDGET_S = float(os.environ.get("MLXSERVE_FUZZ_BUDGET_S", "45"))  # CI: the suite keeps under 30 min
 CONTEXT = 32  # the fuzzed server's max_model_len
 MAX_N = 8  # choices per request (the schema allows 128: a few seconds each on 2 CPU cores)
 MODEL = "qwen3-tiny"
@@ -47,6 +47,11 @@ def error_shape_ok(path: str, response) -> bool:
     return set(body.get("error") or {}) == {"message", "type", "param", "code"}
 
 
+class OutOfTime(Exception):
+    """Ends one operation's run at its deadline: returning early would still let hypothesis
+    generate (slowly) every remaining example."""
+
+
 def test_no_request_gets_a_500(fuzz_server):
     schema = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
     start = time.monotonic()
@@ -67,7 +72,7 @@ def test_no_request_gets_a_500(fuzz_server):
         @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
         def fuzz(case):
             if time.monotonic() > deadline:
-                return
+                raise OutOfTime
             if isinstance(case.body, dict):
                 if isinstance(case.body.get("model"), str):
                     case.body["model"] = MODEL  # else nearly every case stops at "no such model" (404)
@@ -83,6 +88,8 @@ def test_no_request_gets_a_500(fuzz_server):
 
         try:
             fuzz()
+        except OutOfTime:
+            pass
         except hypothesis.errors.Unsatisfiable:
             assert mode == GenerationMode.NEGATIVE  # nothing to break: the operation takes no input
 
