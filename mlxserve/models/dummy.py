@@ -16,7 +16,7 @@ from mlxserve.models.shapes import SHAPES, text_config
 LOGIT_STD = 12.0
 
 # Bump when `init_weights` changes, so fingerprints of dummy models change too.
-INIT_VERSION = 5
+INIT_VERSION = 6
 
 
 def resolve_config(config_or_shape) -> dict:
@@ -52,17 +52,19 @@ def resolve_config(config_or_shape) -> dict:
     raise KeyError(config_or_shape)
 
 
-def uniform(seed: int, name: str, shape, std: float):
+def uniform(seed: int, name: str, shape, std: float, dtype=None):
     """Random weights for one parameter, keyed by (seed, name) so they do not
-    depend on parameter order. Uniform, not normal: numpy draws it ~10x
-    faster, which matters for multi-billion-parameter shapes, and the sums
-    a layer computes are near-normal either way."""
+    depend on parameter order. Uniform: the sums a layer computes are near-normal
+    either way. Drawn by MLX, lazily: nothing is made until it is evaluated, so a
+    tensor-parallel rank evaluates each weight's slice of its own and holds the
+    whole weight only while slicing it (a model larger than one GPU, split across
+    two, never exists whole on either)."""
     import mlx.core as mx
-    import numpy as np
 
-    rng = np.random.default_rng([seed % 2**64, zlib.crc32(name.encode())])
     half_width = std * math.sqrt(3)
-    return mx.array(rng.random(shape, dtype=np.float32)) * (2 * half_width) - half_width
+    key = mx.random.key(((seed % 2**32) << 32) | zlib.crc32(name.encode()))
+    # Drawn in the model's dtype: a float32 draw of a large embedding would double its peak.
+    return mx.random.uniform(-half_width, half_width, shape, dtype=dtype or mx.float32, key=key)
 
 
 def _vocab_modules(model, vocab: int):
@@ -145,16 +147,16 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
         if not mx.issubdtype(p.dtype, mx.floating):
             w = p  # packed integer weights (a pre-quantized layer): the class's own, zeros
         elif module in embeds and name.endswith(".weight"):
-            w = uniform(seed, name, p.shape, embed_std)
+            w = uniform(seed, name, p.shape, embed_std, dtype)
         elif module in heads and name.endswith(".weight"):
-            w = uniform(seed, name, p.shape, logit_std / math.sqrt(p.shape[-1]))
+            w = uniform(seed, name, p.shape, logit_std / math.sqrt(p.shape[-1]), dtype)
         elif p.ndim >= 2:
             # Fan-in: the last axis of linear and stacked-expert weights; kernel x
             # channels for convolutions, which MLX stores (out, kernel, in).
             fan_in = math.prod(p.shape[1:]) if "conv" in name else p.shape[-1]
-            w = uniform(seed, name, p.shape, 1 / math.sqrt(fan_in))
+            w = uniform(seed, name, p.shape, 1 / math.sqrt(fan_in), dtype)
         elif name.endswith(".bias"):
-            w = uniform(seed, name, p.shape, 0.1)
+            w = uniform(seed, name, p.shape, 0.1, dtype)
         elif name.startswith(("vision_tower.", "multi_modal_projector.")) and "norm" in name:
             # The vision side's LayerNorms and RMSNorms; only Gemma's projector norm has the (1 + w) form.
             w = mx.full(p.shape, 0.0 if "mm_soft_emb_norm" in name else 1.0)
@@ -163,9 +165,9 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
             w = mx.full(p.shape, gain - 1 if module in offsets else gain)
         else:
             w = p  # other parameters (recurrent decay rates, sinks, scales): the class's own init
-        # Evaluate one at a time so peak memory stays one model in `dtype`.
+        # Lazy: build_dummy evaluates the parameters one at a time once they are quantized and
+        # sharded, so peak memory stays this rank's part in `dtype` plus one whole weight.
         weights[name] = w.astype(dtype) if mx.issubdtype(w.dtype, mx.floating) else w
-        mx.eval(weights[name])
     return weights
 
 
@@ -228,9 +230,10 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
     if sharding is not None:
         sharding.after_weights(model)
     model.eval()
-    # One array at a time: a quantized layer's evaluation frees its dense weight, so the peak stays
-    # the dense model, not the dense and the quantized one together (a 32B model's 65 + 18 GB in
-    # bfloat16 at once did not fit an 80 GB GPU).
+    # One array at a time: each is still lazy (init_weights), so evaluating it draws its weight, casts,
+    # quantizes and slices it, and frees the rest. The peak is this rank's model plus one whole weight,
+    # not the dense and the quantized model together (a 32B model's 65 + 18 GB in bfloat16 did not fit
+    # an 80 GB GPU), nor the whole model on every tensor-parallel rank (an 89 GB model on two GPUs).
     for _, p in tree_flatten(model.parameters()):
         mx.eval(p)
     return model, config
