@@ -1,9 +1,11 @@
 #!/bin/bash
-# One vs two GPUs (NCCL) serving one model, as docs/distributed.md describes; run from the
-# repository root on the 2-GPU machine once MLX is installed (/work/shared/gpu/README.md).
-# Writes into RESULTS: the collectives' costs, `mlxserve bench serve` results (1 GPU and 2
-# GPUs side by side, per model) and the servers' logs. SMALL/BIG/HUGE name the models;
-# BACKEND=ring (with CPU ranks) dry-runs it on a CPU with tiny models.
+# One vs two (and four) GPUs (NCCL) serving one model, as docs/distributed.md describes; run from
+# the repository root on a 2- or 4-GPU machine once MLX is installed (/work/shared/gpu/README.md).
+# Writes into RESULTS: the collectives' costs, `mlxserve bench serve` results (1 GPU and each
+# width in WIDTHS side by side, per model) and the servers' logs. SMALL/BIG/HUGE name the models;
+# HUGE (too large for one GPU) runs across HUGE_RANKS GPUs with --parallel HUGE_PARALLEL.
+# STEPS picks what runs (collectives, convert, small, big, huge); BACKEND=ring (with CPU
+# ranks) dry-runs it on a CPU with tiny models.
 #   benchmarks/distributed/gpu.sh RESULTS
 set -u
 R=${1:?results folder}
@@ -16,6 +18,10 @@ HUGE=${HUGE:-benchmarks/distributed/qwen2-45b.json}
 DTYPE=${DTYPE:-bfloat16}
 LOW=${LOW:-1,4}; LOW_N=${LOW_N:-8}; HIGH=${HIGH:-16,32}; HIGH_N=${HIGH_N:-32}; OUT_LEN=${OUT_LEN:-64}
 PY=${PY:-python3}
+WIDTHS=${WIDTHS:-2}
+HUGE_RANKS=${HUGE_RANKS:-2}; HUGE_PARALLEL=${HUGE_PARALLEL:-tensor}
+STEPS=${STEPS:-collectives convert small big huge}
+step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 QUANT=${QUANT---quantize 4}  # empty: unquantized (a CPU dry run's tiny models)
 mkdir -p "$M"
 log() { echo "$(date +%T) $*" | tee -a "$R/progress.log"; }
@@ -70,40 +76,53 @@ stats() {  # port file: every rank's memory and the cache's, as the server repor
   curl -s "http://127.0.0.1:$1/v1/cache/stats" > "$R/$2" || true
 }
 
-log "collectives ($BACKEND)"
-for r in 0 1; do
-  env $(rank_env "$r" 2 29400) $PY benchmarks/distributed/collectives.py "$BACKEND" > "$R/collectives-r$r.json" 2> "$R/collectives-r$r.err" &
+for w in $WIDTHS; do
+  step collectives || break
+  log "collectives ($BACKEND, $w ranks)"
+  for r in $(seq 0 $(( w - 1 ))); do
+    env $(rank_env "$r" "$w" $(( 29400 + 10 * w ))) $PY benchmarks/distributed/collectives.py "$BACKEND" \
+      > "$R/collectives-$w-r$r.json" 2> "$R/collectives-$w-r$r.err" &
+  done
+  wait
 done
-wait
 
-log "models: $SMALL and $BIG as 4-bit folders"
-[ -d "$M/small" ] || env $([ "$BACKEND" = nccl ] && echo CUDA_VISIBLE_DEVICES=0) $PY -m mlxserve convert --load-format dummy "$SMALL" $QUANT --dtype "$DTYPE" --out-dir "$M/small" > "$R/convert-small.log" 2>&1 &
-[ -d "$M/big" ] || env $([ "$BACKEND" = nccl ] && echo CUDA_VISIBLE_DEVICES=1) $PY -m mlxserve \
-  convert --load-format dummy "$BIG" $QUANT --dtype "$DTYPE" --out-dir "$M/big" > "$R/convert-big.log" 2>&1 &
-wait
-log "converted"
+if step convert; then
+  log "models: $SMALL and $BIG as 4-bit folders"
+  [ -d "$M/small" ] || env $([ "$BACKEND" = nccl ] && echo CUDA_VISIBLE_DEVICES=0) $PY -m mlxserve convert --load-format dummy "$SMALL" $QUANT --dtype "$DTYPE" --out-dir "$M/small" > "$R/convert-small.log" 2>&1 &
+  [ -d "$M/big" ] || env $([ "$BACKEND" = nccl ] && echo CUDA_VISIBLE_DEVICES=1) $PY -m mlxserve \
+    convert --load-format dummy "$BIG" $QUANT --dtype "$DTYPE" --out-dir "$M/big" > "$R/convert-big.log" 2>&1 &
+  wait
+  log "converted"
+fi
 
 for which in small big; do
-  log "$which: 1 GPU (port 8101) and 2 GPUs tensor parallel (port 8102)"
+  step "$which" || continue
+  log "$which: 1 GPU (port 8101) and $WIDTHS GPUs tensor parallel (ports 8102...)"
   serve 1 8101 "$M/$which"
-  serve 2 8102 "$M/$which"
-  wait_up 8101 600 && wait_up 8102 600 || { stop 8101; stop 8102; continue; }
-  log "$which: up"
-  bench "$which" "http://127.0.0.1:8101/v1,http://127.0.0.1:8102/v1" "1gpu,2gpu-tp"
-  stats 8101 "stats-$which-1gpu.json"; stats 8102 "stats-$which-2gpu.json"
-  log "$which: measured"
-  stop 8101; stop 8102
+  ports=8101; urls="http://127.0.0.1:8101/v1"; labels=1gpu; port=8101
+  for w in $WIDTHS; do
+    port=$(( port + 1 )); serve "$w" "$port" "$M/$which"
+    ports="$ports $port"; urls="$urls,http://127.0.0.1:$port/v1"; labels="$labels,${w}gpu-tp"
+  done
+  up=1; for p in $ports; do wait_up "$p" 600 || up=0; done
+  if [ "$up" = 1 ]; then
+    log "$which: up"
+    bench "$which" "$urls" "$labels"
+    for p in $ports; do stats "$p" "stats-$which-$p.json"; done
+    log "$which: measured"
+  fi
+  for p in $ports; do stop "$p"; done
 done
 
-if [ "${SKIP_HUGE:-0}" = 0 ]; then
-  log "huge: $HUGE ($DTYPE) across 2 GPUs, pipeline parallel"
-  serve 2 8103 "$HUGE" --load-format dummy --dtype "$DTYPE" --parallel pipeline
-  if wait_up 8103 900; then
+if step huge; then
+  log "huge: $HUGE ($DTYPE) across $HUGE_RANKS GPUs, $HUGE_PARALLEL parallel"
+  serve "$HUGE_RANKS" 8109 "$HUGE" --load-format dummy --dtype "$DTYPE" --parallel "$HUGE_PARALLEL"
+  if wait_up 8109 900; then
     log "huge: up"
-    LOW=1,4 LOW_N=4 HIGH=16 HIGH_N=16 bench huge "http://127.0.0.1:8103/v1" "2gpu-pipeline"
-    stats 8103 "stats-huge-2gpu.json"
+    LOW=1,4 LOW_N=4 HIGH=16 HIGH_N=16 bench huge "http://127.0.0.1:8109/v1" "${HUGE_RANKS}gpu-$HUGE_PARALLEL"
+    stats 8109 "stats-huge.json"
     log "huge: measured"
   fi
-  stop 8103
+  stop 8109
 fi
 log "done"
