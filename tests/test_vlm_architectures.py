@@ -11,7 +11,6 @@ mlx-lm serves as text, or refused at load with its reason.
 """
 
 import json
-import os
 
 import pytest
 
@@ -34,11 +33,6 @@ TYPES = sorted({*ADAPTERS, *FAMILIES})
 # Served one request at a time or uncached, the same tokens still: mlxserve says so at start
 # and in /v1/models. A type that starts batching or caching fails, so this cannot go stale.
 LIMITED: dict[str, tuple[bool, bool]] = {}  # model type -> (batches, caches)
-
-# Types whose test costs minutes on a 2-core CPU because mlx-vlm fixes their tower's size in
-# code (no config makes it small): run with MLXSERVE_TEST_SLOW=1 (they pass; CI has no room).
-SLOW = {"phi3_v": "its CLIP ViT-L/14-336 tower (24 layers, 1024 wide, 336 px crops) is fixed in mlx-vlm's "
-                  "code: ~200 s"}
 
 
 def load_config(config, folder):
@@ -87,10 +81,7 @@ def own_forward(loaded, prompt, n):
     return mlx_vlm_greedy(vision, ids, n, **inputs)
 
 
-@pytest.mark.parametrize("model_type", [
-    pytest.param(t, marks=pytest.mark.skipif(t in SLOW and not os.environ.get("MLXSERVE_TEST_SLOW"),
-                                             reason=f"MLXSERVE_TEST_SLOW=1 runs it: {SLOW.get(t)}"))
-    for t in TYPES])
+@pytest.mark.parametrize("model_type", TYPES)
 def test_vlm_type_is_served_with_images_batched_and_cached(model_type, tmp_path):
     loaded = load_config(tiny_vlm_config(model_type), tmp_path)
     assert loaded.vision is not None

@@ -226,9 +226,12 @@ OVERRIDES: dict[str, dict] = {
                         "text_config": {"moe_num_experts": [4, 4], "moe_intermediate_size": [32, 32],
                                         "moe_layer_start_index": 1, "moe_layer_end_index": 3, "moe_k": 2,
                                         "mrope_section": [3, 3, 2], "freq_allocation": 2}},
-    # Its FastViT-HD tower's stages are fixed in mlx-vlm's code (not config fields, 123M parameters): a
-    # 128 px image (its family's tiny_preprocessor), 2 x 2 rows after its 64x downsampling.
-    "fastvlm": {"image_token_index": -200, "vision_config": {"projection_dim": HIDDEN}},
+    # Its FastViT-HD tower's stages (class attributes in mlx-vlm, 123M parameters) sized here by
+    # models/vlm_towers.py: five stages of one block, attention in the last two (32-wide heads); a 128 px
+    # image (its family's tiny_preprocessor), 2 x 2 rows after its 64x downsampling, 128 wide into the projector.
+    "fastvlm": {"image_token_index": -200, "mm_hidden_size": 128,
+                "vision_config": {"projection_dim": HIDDEN, "layers": [1, 1, 1, 1, 1],
+                                  "embed_dims": [16, 16, 32, 32, 64]}},
     # Sliding and full layers, a dense MLP then experts; its relative band as short as the window.
     "inkling": {"vision_config": {"patch_size": 32},
                 "text_config": {"layer_types": ["hybrid_sliding", "full_attention"] * 2,
@@ -256,9 +259,11 @@ OVERRIDES: dict[str, dict] = {
                "audio_processor": {"config": {"attention_dim": 32, "attention_heads": 2, "num_blocks": 1,
                                               "linear_units": 64, "ext_pw_out_channel": 32, "conv_channels": 32,
                                               "depthwise_seperable_out_channel": 32, "input_size": 80}}},
-    # Its text settings are the config's own (no text_config); its CLIP ViT-L/14-336 tower is fixed in
-    # mlx-vlm's code (not config fields): one 336 px crop and the whole image, 313 rows.
-    "phi3_v": {"num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
+    # Its text settings are the config's own (no text_config); its CLIP ViT-L/14-336 tower (a constant in
+    # mlx-vlm) sized by vision_config here (models/vlm_towers.py), at the 336 px crops of 14 px patches its
+    # processor and merge fix: one crop and the whole image, 313 rows.
+    "phi3_v": {"num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "vision_config": {"image_size": 336, "patch_size": 14}},
     # 84 px crops of 6 x 6 patches, pooled to 3 x 3 tokens; its image tokens past the text vocabulary.
     "molmo": {"text_config": {"mlp_hidden_size": 128, "embedding_size": QWEN_VOCAB, "additional_vocab_size": 128},
               "vision_config": {"image_default_input_size": [84, 84], "image_num_pos": 37, "image_emb_dim": VISION_WIDTH,

@@ -598,6 +598,8 @@ def build_vlm(config: dict):
     """An mlx-vlm model object for `config` (weights not loaded)."""
     from mlx_vlm.utils import get_model_and_args
 
+    from mlxserve.models.vlm_towers import size_fixed_tower
+
     check_supported(config)
     arch, _ = get_model_and_args(config)
     model_config = arch.ModelConfig.from_dict(dict(config))
@@ -610,6 +612,7 @@ def build_vlm(config: dict):
             module_config = getattr(arch, f"{name.title()}Config").from_dict(config[f"{name}_config"])
             setattr(model_config, f"{name}_config", module_config)
     model = arch.Model(model_config)
+    size_fixed_tower(model, model_config, config)  # Phi-3-vision's and FastVLM's (models/vlm_towers.py)
     if config["model_type"] == "paddleocr_vl":
         _paddle_projector_width(model, model_config)
     return model

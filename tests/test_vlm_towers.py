@@ -1,0 +1,74 @@
+"""Towers mlx-vlm sizes in code (models/vlm_towers.py): a real config builds exactly mlx-vlm's
+model, a tiny config a tiny tower of the same code."""
+
+import pytest
+
+# Real configs as their checkpoints ship them (no vision_config: mlx-vlm's loader gives an empty one).
+REAL = {
+    # microsoft/Phi-3-vision-128k-instruct
+    "phi3_v": {"model_type": "phi3_v", "hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 32,
+               "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32064},
+    # apple/FastVLM-0.5B (llava_qwen2, which mlx-vlm maps to fastvlm)
+    "fastvlm": {"model_type": "llava_qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
+                "num_hidden_layers": 24, "num_key_value_heads": 2, "vocab_size": 151936, "mm_hidden_size": 3072,
+                "mm_projector_type": "mlp2x_gelu", "tie_word_embeddings": True},
+}
+
+
+def shapes(model):
+    from mlx.utils import tree_flatten
+
+    return {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+
+
+def mlx_vlm_build(config):
+    """The model as mlx-vlm's load_model builds it before reading weights."""
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    config = dict(config)
+    arch, _ = get_model_and_args(config)
+    config.setdefault("text_config", {})
+    config.setdefault("vision_config", {})
+    model_config = update_module_configs(arch.ModelConfig.from_dict(config), arch, config, ["text", "vision"])
+    return arch.Model(model_config)
+
+
+@pytest.mark.parametrize("model_type", sorted(REAL))
+def test_real_config_builds_mlx_vlms_own_tower(model_type):
+    """Parameters are made lazily: no weights are computed here."""
+    from mlxserve.models.vlm import build_vlm
+
+    config = REAL[model_type] | {"vision_config": {}}
+    ours, theirs = shapes(build_vlm(config)), shapes(mlx_vlm_build(config))
+    assert ours == theirs
+    assert max(n for s in ours.values() for n in s) >= 1024  # a real-sized tower (CLIP-L's 1024, FastViT-HD's 3072)
+
+
+@pytest.mark.parametrize("model_type", sorted(REAL))
+def test_tiny_config_builds_a_tiny_tower_of_the_same_layers(model_type):
+    import math
+    import re
+
+    from mlxserve.models.tiny_vlm import tiny_vlm_config
+    from mlxserve.models.vlm import build_vlm
+    from mlxserve.models.vlm_generic import vision_tower
+
+    def kinds(tower):  # its parameters' names, block indices dropped: the kinds of layer it has
+        return {re.sub(r"\.\d+(?=\.)", ".*", n) for n in shapes(tower)}
+
+    def size(tower):
+        return sum(math.prod(s) for s in shapes(tower).values())
+
+    tiny, real = vision_tower(build_vlm(tiny_vlm_config(model_type))), vision_tower(mlx_vlm_build(REAL[model_type]))
+    assert size(tiny) < 1_000_000 and size(real) > 100_000_000
+    assert kinds(tiny) == kinds(real)
+
+
+def test_fastvit_keeps_its_five_stages():
+    from mlxserve.models.tiny_vlm import tiny_vlm_config
+    from mlxserve.models.vlm import build_vlm
+
+    config = tiny_vlm_config("fastvlm")
+    config["vision_config"]["layers"] = [1, 1]
+    with pytest.raises(ValueError, match="5 stages"):
+        build_vlm(config)
