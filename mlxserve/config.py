@@ -130,6 +130,15 @@ class EngineConfig:
         "decoding, and on the CPU it is slower than BLAS).",
         choices=("auto", "quantized", "dequantized"),
     )
+    kv_layout: str = setting(
+        "contiguous",
+        "Where the running batch keeps the KV of full-attention layers. contiguous: mlx-lm's batch "
+        "caches (rows padded to the longest, copied on every admission and removal); paged: a block "
+        "pool (blocks of --block-size tokens), each request a table of block ids, attention reading "
+        "the blocks (docs/paged-kv.md). Text models without --kv-bits; other layers (sliding window, "
+        "recurrent) keep their caches either way.",
+        choices=("contiguous", "paged"),
+    )
     disk_cache_dir: str | None = setting(
         None,
         "Folder of the prefix cache's disk tier: every full block is also written there (in "

@@ -59,7 +59,8 @@ def check_hits_give_the_same_tokens(loaded, settings, block_granular=False):
             (again, other_cached), = run(on, [other])  # shares the first 70 tokens
             (part, part_cached), = run(on, [partial])  # shares 40 tokens
             batch = run(on, [first, other, partial, prompt_of(30, 5)])  # hits inside a batch
-            stats = asyncio.run(on.cache_stats())["prefix_cache"]
+            all_stats = asyncio.run(on.cache_stats())
+            stats = all_stats["prefix_cache"]
         finally:
             on.stop()
         assert cold_cached == 0 and cold == reference[0]
@@ -69,6 +70,8 @@ def check_hits_give_the_same_tokens(loaded, settings, block_granular=False):
         assert part == reference[2] and part_cached == cached(40)
         assert [t for t, _ in batch[:3]] == reference
         assert all(c > 0 for _, c in batch[:3])
+        if settings.get("kv_layout") == "paged":  # the finished rows gave every block back
+            assert all_stats["paged_kv"]["used_blocks"] == 0 and all_stats["paged_kv"]["capacity_blocks"] > 0
     return stats, reference
 
 

@@ -46,18 +46,21 @@ def recurrent(loaded) -> bool:
     return "state" in spec_kinds(model_specs(loaded.model))
 
 
-@pytest.mark.parametrize("name", SHAPES + sorted(CONFIGS))
-def test_family_is_served_batched_and_cached(name, folder, tmp_path):
+@pytest.mark.parametrize("name, layout", [(name, "contiguous") for name in SHAPES + sorted(CONFIGS)]
+                         + [("qwen3.5-tiny", "paged")])  # its attention layers' KV in blocks, beside recurrent ones
+def test_family_is_served_batched_and_cached(name, layout, folder, tmp_path):
     loaded = family(name, folder)
-    stats, _ = check_hits_give_the_same_tokens(loaded, SETTINGS, block_granular=recurrent(loaded))
+    settings = dict(SETTINGS, kv_layout=layout)
+    stats, _ = check_hits_give_the_same_tokens(loaded, settings, block_granular=recurrent(loaded))
     assert stats["disabled"] is None and stats["misses"]["unrestorable"] == 0
     # The engine (which installs mlxserve's mlx-lm fixes) batches every cache layer of it.
     assert unbatchable_layers(loaded.model) == []
-    check_restart_from_disk(loaded, SETTINGS, tmp_path / "kv")
+    # Paged: the restarted engine's hit goes through the batch (a lone request runs apart from it).
+    check_restart_from_disk(loaded, dict(settings, solo_fast_path=layout == "contiguous"), tmp_path / "kv")
 
     # Per-request sampling inside a batch: a seeded request draws the same tokens beside others.
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=8, ignore_eos=True)
-    engine = AsyncEngine(loaded, EngineConfig(**SETTINGS)).start()
+    engine = AsyncEngine(loaded, EngineConfig(**settings)).start()
     try:
         (alone, _), = run(engine, [prompt_of(20, 7)], seeded)
         together = run(engine, [prompt_of(20, 7), prompt_of(33, 8)], seeded)

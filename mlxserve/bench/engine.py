@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default=None, help="Weight dtype (default: per backend).")
     p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
                    help="Quantized KV in the engine's runs (generate_step and BatchGenerator stay unquantized).")
+    p.add_argument("--kv-layout", default="contiguous", choices=("contiguous", "paged"),
+                   help="The engine's batch KV layout (serve's --kv-layout); the bare BatchGenerator stays mlx-lm's.")
     p.add_argument("--out-dir", default="benchmarks")
     p.add_argument("--replot", metavar="JSON", help="Only redraw the PNG of an earlier result.")
     p.set_defaults(func=lambda a: replot(a.replot) if a.replot else run(a))
@@ -143,7 +145,8 @@ def bench_model(spec: dict, args, concurrency: list[int]) -> dict:
     def engine(solo: bool) -> AsyncEngine:
         # No prefix cache: repeated prompts would hit it, and this measures the engine.
         return AsyncEngine(loaded, EngineConfig(max_num_seqs=max_c, solo_fast_path=solo,
-                                                prefix_cache=False, kv_bits=args.kv_bits)).start(wait_warmup=True)
+                                                prefix_cache=False, kv_bits=args.kv_bits,
+                                                kv_layout=args.kv_layout)).start(wait_warmup=True)
 
     solo_engine, batch_engine = engine(True), engine(False)
     try:
@@ -197,6 +200,9 @@ def run(args) -> int:
     if args.kv_bits:
         md.append(f"The engine's runs use {report.kv_label(args.kv_bits)}; generate_step and the bare "
                   "BatchGenerator run unquantized.\n")
+    if args.kv_layout != "contiguous":
+        md.append(f"The engine's batch keeps its KV {args.kv_layout} (--kv-layout); the bare BatchGenerator "
+                  "runs mlx-lm's own caches.\n")
     for r in results:
         gs = r["single"]["generate_step"]
         md.append(f"## {r['label']} ({r['name']})\n")

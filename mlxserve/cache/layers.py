@@ -42,6 +42,7 @@ from mlx_lm.models.cache import (
 
 from mlxserve.cache import chunked
 from mlxserve.cache.chunked import BatchChunkedKVCache
+from mlxserve.cache.paged import PagedBatchKVCache
 from mlxserve.cache.payload import KV, Nested, Payload, QuantizedKV, State, payload_nbytes  # noqa: F401 - re-exported
 from mlxserve.cache.quantized import BatchQuantizedKVCache
 from mlxserve.cache.quantized import QuantizedKVCache as BatchableQuantizedKVCache
@@ -88,6 +89,8 @@ def layer_spec(c):
     # Exact classes first: a subclass may keep state these functions don't know.
     if isinstance(c, PositionState):
         return ("positions",)
+    if isinstance(c, PagedBatchKVCache):
+        return ("full",)
     if isinstance(c, (ChunkedKVCache, BatchChunkedKVCache)):  # before BatchKVCache, its base
         return ("chunk", c.chunk_size)
     if isinstance(c, (KVCache, QuantizedKVCache, BatchKVCache)):
@@ -257,7 +260,8 @@ def _take_kv(c, rows: slice, runs):
 
 
 def _stackable(c) -> bool:
-    return type(c) in (KVCache, BatchKVCache, QuantizedKVCache, BatchableQuantizedKVCache, BatchQuantizedKVCache)
+    return type(c) in (KVCache, BatchKVCache, QuantizedKVCache, BatchableQuantizedKVCache, BatchQuantizedKVCache,
+                       PagedBatchKVCache)
 
 
 def _stacked(entries: list, cache_layers) -> Payload:
@@ -412,7 +416,7 @@ def _batch_attention(cache_layers) -> list:
     for c in cache_layers:
         if isinstance(c, CacheList):
             out += _batch_attention(c.caches)
-        elif isinstance(c, (BatchKVCache, BatchRotatingKVCache)):
+        elif isinstance(c, (BatchKVCache, BatchRotatingKVCache, PagedBatchKVCache)):
             out.append(c)
     return out
 
@@ -424,7 +428,10 @@ def _batch_offsets(cache_layers, row, seen: dict) -> list[int]:
     caches = _batch_attention(cache_layers)
     if not caches:
         return []
-    out = mx.stack([c.offset[row] for c in caches]).tolist()
+    paged = {id(c): c.rows.lengths[row] for c in caches if isinstance(c, PagedBatchKVCache)}  # known on the host
+    read = [c for c in caches if id(c) not in paged]
+    read = dict(zip(map(id, read), mx.stack([c.offset[row] for c in read]).tolist())) if read else {}
+    out = [paged[id(c)] if id(c) in paged else read[id(c)] for c in caches]
     for c, n in zip(caches, out):
         if not isinstance(c, BatchChunkedKVCache):  # chunked.row_runs keeps its own entries there
             seen[id(c)] = n
@@ -432,6 +439,8 @@ def _batch_offsets(cache_layers, row, seen: dict) -> list[int]:
 
 
 def _extract_row(c, row, start, end, state_here, seen):
+    if isinstance(c, PagedBatchKVCache):  # a block's tokens are in one pool block (views; stacked copies them)
+        return c.block_kv(row, start, end)
     if isinstance(c, BatchChunkedKVCache):  # before BatchKVCache, its base
         runs = chunked.row_runs(c, row, start, end, seen)
         return None if runs is None else _take_kv(c, slice(row, row + 1), runs)

@@ -3,7 +3,7 @@
 Today the running batch keeps its own contiguous KV and the prefix cache keeps
 blocks, so every restore, admission and store copies between the two. With
 attention that reads KV through a block table, a request's KV can live in the
-blocks themselves. This module is only the op; the batch does not use it yet.
+blocks themselves. This module is the op; `paged.py` runs the batch over it (--kv-layout paged).
 
 The layout, per attention layer:
 

@@ -68,6 +68,7 @@ class AsyncEngine:
         self.num_waiting = 0
         self.steps = 0  # engine steps that had work
         self.kv_budget = None  # a KVBudget, made on the MLX thread (engine/guard.py)
+        self.kv_blocks = None  # the runner's paged KV pool (cache/paged.py) with --kv-layout paged
         self.watchdog = Watchdog(self.config.step_timeout, self._on_stall)
         self.pins = PrefixPins(self)  # pinned prefixes (engine/pins.py)
         self.warmup = None  # a Warmup (engine/warmup.py) while its phases run, made on the MLX thread
@@ -236,6 +237,8 @@ class AsyncEngine:
                     b.hash for b in pc.pool.blocks())
         if self.loaded.vision is not None:
             stats["vision_cache"] = {"enabled": vc is not None, **(vc.stats() if vc else {})}
+        if self.kv_blocks is not None:  # the running batch's paged KV (the solo path's is not in it)
+            stats["paged_kv"] = self.kv_blocks.stats()
         # Beside the caches' own byte counts, all MLX holds (weights, running KV, caches), read
         # on the MLX thread between steps: `bench soak` watches it for leaks.
         stats["mlx_memory"] = mlx_memory()
@@ -368,6 +371,9 @@ class AsyncEngine:
         dequantize_kv = dequantized_attention(cfg.kv_attention)
         if cfg.kv_bits:
             check_kv_bits(self.loaded.model, cfg.kv_bits, dequantize=dequantize_kv)
+        if cfg.kv_layout == "paged" and (cfg.kv_bits or self.loaded.vision is not None):
+            raise ValueError("--kv-layout paged takes text models without --kv-bits (paged KV is not "
+                             "quantized, and vision-language models' attention is mlx-vlm's own)")
         dense_prefill(self.loaded, cfg.dense_from)
         self.prefix_cache = None
         if cfg.prefix_cache:
@@ -423,6 +429,7 @@ class AsyncEngine:
                           solo_fast_path=solo_path, prefix_cache=prefix_cache, vision=self.loaded.vision,
                           vision_cache=self.vision_cache, vision_step_s=cfg.vision_step_ms / 1e3,
                           kv_bits=cfg.kv_bits, dequantize_kv=dequantize_kv,
+                          kv_layout=cfg.kv_layout, block_size=cfg.block_size,
                           keep_image_embeddings=cfg.keep_image_embeddings, speculation=speculation,
                           compile_decode=compiled_decode_wanted(cfg.compile_decode))
 
@@ -433,6 +440,7 @@ class AsyncEngine:
         self.kv_budget = kv_budget_for(self.loaded.model, cfg, dequantize_kv, self.prefix_cache, self.vision_cache)
         scheduler = make_scheduler(make_runner(self.prefix_cache, cfg.prefill_chunk_size, self.speculation),
                                    self.kv_budget, cfg.admission_window_ms / 1e3)
+        self.kv_blocks = scheduler.runner.kv_blocks
         if cfg.warmup > 0:
             self.warmup = make_warmup(cfg, self.loaded, self.prefix_cache, max_num_seqs, self.max_model_len,
                                       lambda cache, chunk: make_scheduler(make_runner(cache, chunk, None)))
@@ -471,7 +479,7 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - the rest of the cleanup must run
                     log.exception("closing the disk tier")
             self.pins.pins.clear()  # their blocks' arrays go with the cache, here
-            scheduler = self.prefix_cache = self.vision_cache = None
+            scheduler = self.prefix_cache = self.vision_cache = self.kv_blocks = None
             if self._release_model:
                 self.loaded = None
             gc.collect()

@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 from mlx_lm.models.cache import trim_prompt_cache
 
-from mlxserve.cache import chunked
+from mlxserve.cache import chunked, paged
 from mlxserve.cache.quantized import make_cache, set_dequantize
 from mlxserve.engine import grammar as constrained
 from mlxserve.engine.compiled import CompiledDecode, compilable
@@ -300,8 +300,16 @@ class Runner:
                  prefill_batch_size: int, solo_fast_path: bool = True, prefix_cache=None,
                  vision=None, vision_cache=None, vision_step_s: float = 0.02, kv_bits: int | None = None,
                  dequantize_kv: bool = False, keep_image_embeddings: bool = False, speculation=None,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, kv_layout: str = "contiguous", block_size: int | None = None):
         self.model = model
+        # Paged KV (cache/paged.py): the batch's full-attention KV in a block pool, blocks of the
+        # prefix cache's size; requests still prefill and decode alone in mlx-lm's KVCache.
+        self.kv_blocks = None
+        if kv_layout == "paged":
+            paged.install()
+            self.kv_blocks = paged.KVBlocks(prefix_cache.block_size if prefix_cache is not None else block_size)
+        elif kv_layout != "contiguous":
+            raise ValueError(f"kv_layout must be one of {paged.KV_LAYOUTS}, not {kv_layout!r}")
         self.compiled = CompiledDecode(model) if compile_decode else None  # the solo path's one-token step
         self.speculation = speculation  # engine/speculative.py's Speculation, for the solo path, or None
         self.kv_bits = kv_bits  # quantized KV (full-attention layers), or None
@@ -411,6 +419,8 @@ class Runner:
         start = len(in_cache)
         bounds = [0] + [p - start for p in seq.checkpoints if start < p < start + len(prompt)]
         segments = [list(prompt[a:b]) for a, b in zip(bounds, bounds[1:] + [len(prompt)])]
+        if self.kv_blocks is not None:
+            cache = self.kv_blocks.adopt(cache)  # its full-attention KV goes into blocks as the batch merges it
         (uid,) = self.generator.insert_segments(
             [segments],
             max_tokens=[seq.max_tokens - seq.num_generated],
