@@ -12,12 +12,18 @@ SERIAL_PREFILL = frozenset({"jamba", "olmo_hybrid", "nemotron_h", "mamba", "baic
 
 
 # The same for mlx-vlm's language models (vision-language folders): mlx-vlm 0.7.10's Qwen3.5
-# runs a padded batch row by row (qwen3_5/language.py, Qwen3_5Model.__call__) and each row
-# takes its right padding into its recurrent state (tests/test_vlm.py, the mixed batch).
+# (qwen3_5/language.py), and every type whose language model is built on it (MiniCPM-V 4.6 and
+# 4.7), mishandles a right-padded batch. Rows of different cached lengths (a request moved from
+# the lone path beside a new one) run row by row (Qwen3_5Model.__call__), each layer's caches
+# merged into new objects after: mlx-lm's record of the padding (BatchKVCache.prepare) is lost
+# with the old ones, and the shorter row keeps its padding as keys (its offset counts them).
+# New rows get no recurrent mask (the all-zero left_padding of their merged ArraysCache hides its
+# lengths) and take the padding into their state (tests/test_vlm.py, tests/test_vlm_minicpm.py).
 # ZAYA1-VL's CCA attention keeps a conv window and the last token's hidden state per layer, taken
 # from a chunk's last positions whatever the batch's lengths: a right-padded row keeps padding
 # (tests/test_vlm_architectures.py, zaya1_vl's batch of 3).
 SERIAL_PREFILL_VLM = frozenset({"qwen3_5", "qwen3_5_moe", "indic_ocr",  # (the last two: Qwen3.5's language model)
+                                "minicpmv4_6", "minicpmv4_7",  # (Qwen3.5's language model, MiniCPM-V's tower)
                                 "zaya1_vl"})
 
 
