@@ -68,7 +68,8 @@ def own_forward(loaded, prompt, n):
 
     vision, (ids, images) = loaded.vision, prompt
     pixels = images[0].pixels
-    inputs = {"pixel_values": mx.array(vision.pixels(pixels))}
+    inputs = {"pixel_values": vision.tower_pixels(pixels) if hasattr(vision, "tower_pixels")
+              else mx.array(vision.pixels(pixels))}
     layout = getattr(vision, "images", None)  # the generic adapter's image processor
     if hasattr(layout, "prompt_kwargs"):  # its processor's other inputs point into the ids (positions, masks)
         inputs |= layout.prompt_kwargs(pixels, images[0].start, len(ids))

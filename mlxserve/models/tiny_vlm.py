@@ -248,6 +248,12 @@ OVERRIDES: dict[str, dict] = {
     # 4 resampler queries an image (its family's image_feature_size); M-RoPE sections of a 16-wide head.
     "minicpmo": {"query_num": 4, "patch_size": 16, "image_size": 64,
                  "text_config": {"rope_scaling": {"type": "default", "mrope_section": [2, 3, 3]}}},
+    # Its language model is Qwen3.5's (linear and full attention layers), M-RoPE sections of 8 rotary dims;
+    # its tower merges 2 x 2 windows after its first block, then 2 x 2 again (16 patches a token).
+    "minicpmv4_6": {"patch_size": 8, "image_size": 64, "insert_layer_id": 0,
+                    "vision_config": {"patch_size": 8},
+                    "text_config": {"rope_parameters": {"type": "default", "mrope_section": [2, 1, 1],
+                                                        "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
     # Its text model is Nemotron-H's (mlx-lm's tiny layout: Mamba, attention, Mamba, MLP).
     "nemotron_h_nano_omni": {"img_context_token_id": IMAGE_PAD, "vit_hidden_size": VISION_WIDTH,
                              "projector_hidden_size": 2 * HIDDEN, "text_config": {"hybrid_override_pattern": "M*M-"}},

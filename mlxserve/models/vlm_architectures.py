@@ -160,9 +160,6 @@ VLM_REFUSED: dict[str, str] = {
                    "axes) only in a pass that starts at position 0, keeping that pass's positions on the model "
                    "object: a prompt chunk after cached tokens gets plain positions, so an image after a cached "
                    "prefix or in a later chunk would not get the positions of mlx-vlm's one-pass prefill"),
-    "jina_vlm": NOT_YET.format(what="its processor builds its image processor in code (378 px crops, up to 12 and a "
-                                    "thumbnail, 196 tokens each) rather than from the model's files: a tiny config "
-                                    "would take hundreds of tokens an image, too many for the generated test"),
     "llmjpvl": NO_PROCESSOR,
     "minicpmv4_6": MINICPM_V,
     "minicpmv4_7": NOT_YET.format(what="MiniCPM-V 4.6's slices (see minicpmv4_6), placed by canvas M-RoPE (spatial "

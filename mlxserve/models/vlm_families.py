@@ -162,6 +162,13 @@ FAMILIES = {
     "internvl": Family("internvl", ("<img>", "</img>"),
                        tiny_preprocessor={"processor_config": {"image_seq_length": 4}}),
     "internvl_chat": Family("internvl_chat", ("<img>", "</img>")),
+    # Jina VLM: Molmo's layout (the thumbnail, then its 378 px crops, pooled 2 x 2: rows of patch tokens
+    # ended by a column token, each between its marks), the features added at the patch tokens its
+    # image_input_idx names. Its processor fixes the sizes (at most 12 crops) and the marks' ids
+    # (<im_patch> 151665 .. <im_col> 151668), so the patch token is the config's image_patch_token_id.
+    "jina_vlm": Family("mlx_vlm.models.jina_vlm.processing_jinavlm:JinaVLMProcessor", (None, None),
+                       image_token=("image_patch_token_id",), tiny_preprocessor={},
+                       own=ProcessorSpec(inputs=("image_input_idx", "image_masks"), positions=("image_input_idx",))),
     # LLaVA-NeXT's layout; the image enters as features added at chosen layers (vlm_layouts.ChunkRows):
     # 64 px tiles of 4 tokens (a 4 x 4 patch grid's 4 x 4 windows read by 2 x 2 queries).
     "granite4_vision": Family("mlx_vlm.models.granite4_vision.processing_granite4_vision:Granite4VisionProcessor",

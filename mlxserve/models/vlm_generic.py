@@ -178,6 +178,11 @@ class GenericVLM(VisionAdapter):
         start, _, end = self._wrap
         return start + "".join(self.tokenizer.convert_ids_to_tokens(self._image_ids(image))) + end
 
+    def image_prefix(self, index: int) -> str:
+        """Text the prompt puts before its image `index` (from 0), outside the image's span: its number,
+        where the family's processor writes one (MiniCPM-V's <image_id>k</image_id>)."""
+        return self.images.image_prefix(index) if hasattr(self.images, "image_prefix") else ""
+
     def preprocess_video(self, frames: list, video: int) -> list[ImageInput]:
         if self.videos is None:
             return super().preprocess_video(frames, video)
@@ -192,7 +197,7 @@ class GenericVLM(VisionAdapter):
         [n, 1 + k, D] with Qwen3-VL's k deepstack rows beside each token's embedding."""
         import mlx.core as mx
 
-        pixels = mx.array(self.pixels(image))
+        pixels = self.tower_pixels(image)
         if image.video is None:
             ids = mx.array([list(image.tower_ids) if image.tower_ids is not None else self._image_ids(image)])
             kwargs = {"pixel_values": pixels, **self.images.image_kwargs(image)}
@@ -212,6 +217,14 @@ class GenericVLM(VisionAdapter):
             deep = f.deepstack_visual_embeds
             rows = mx.stack([rows, *getattr(deep, "embeddings", deep)], axis=1)
         return rows
+
+    def tower_pixels(self, image: ImageInput):
+        """The image's pixels as mlx-vlm's get_input_embeddings takes them: one array, or (a family whose
+        crops differ in size: MiniCPM-V 4.6's) the one prompt's list of arrays."""
+        import mlx.core as mx
+
+        pixels = self.pixels(image)
+        return [[mx.array(p) for p in pixels]] if isinstance(pixels, tuple) else mx.array(pixels)
 
     def _media(self, ids):
         """Which of `ids` are image (or video) tokens."""

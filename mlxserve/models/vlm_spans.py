@@ -50,6 +50,24 @@ class ProcessorSpans(OwnLayout):
             raise ValueError(f"the tokenizer lacks the processor's tokens {missing}")
         # Molmo's processor puts the image before whatever text it is given: its placeholder is "".
         self.placeholder = placeholder if placeholder is not None else self.proc.image_token
+        # Whether it writes each image's index before its span (it may be set not to: MiniCPM-V's use_image_id).
+        self.numbers_images = False
+        if spec.numbered:
+            from PIL import Image
+
+            start = self.tokenizer.convert_tokens_to_ids(spec.numbered[0])
+            self.numbers_images = start in self._run(Image.new("RGB", (64, 64)))["input_ids"].reshape(-1).tolist()
+
+    def image_prefix(self, index: int) -> str:
+        """The text before the prompt's image `index` (from 0) that its span leaves out."""
+        return f"{self.spec.numbered[0]}{index}{self.spec.numbered[1]}" if self.numbers_images else ""
+
+    def _unnumbered(self, ids: list[int]) -> int:
+        """How many ids the image's index takes at the start of its span (ProcessorSpec.numbered)."""
+        if not self.numbers_images:
+            return 0
+        start, end = (self.tokenizer.convert_tokens_to_ids(t) for t in self.spec.numbered)
+        return ids.index(end) + 1 if ids[:1] == [start] else 0
 
     def token_id(self) -> int:
         return self.tokenizer.convert_tokens_to_ids(self.spec.image_token or self.placeholder)
@@ -59,12 +77,17 @@ class ProcessorSpans(OwnLayout):
         keep = ("input_ids", self.spec.pixels, *self.spec.inputs)
         # Copies: a view of an MLX array's buffer (Molmo's processor gives MLX arrays) does not
         # keep its memory from being reused once the array is freed.
-        return {k: np.array(out[k], copy=True) for k in keep if k in out and out[k] is not None}
+        got = {k: out[k] for k in keep if k in out and out[k] is not None}
+        ragged = {self.spec.pixels: tuple(np.array(p, copy=True) for p in got.pop(self.spec.pixels)[0])} \
+            if self.spec.ragged else {}
+        return {k: np.array(v, copy=True) for k, v in got.items()} | ragged
 
     def layout(self, image) -> ImageInput:
         out = self._run(image)
         ids = [int(t) for t in np.asarray(out.pop("input_ids")).reshape(-1)]
         ids, head = self._span(ids, self._bos[:1] or ([self.tokenizer.bos_token_id] if self.spec.bos else []))
+        cut = self._unnumbered(ids)
+        ids, head = ids[cut:], head + cut
         pixels = out.pop(self.spec.pixels)
         for k in self.spec.positions:  # positions in the span, not in the processor's ids
             out[k] = np.where(out[k] >= 0, out[k] - head, out[k])

@@ -67,7 +67,7 @@ def prepare_images(vision, sources: list[tuple], limits: MediaLimits,
                 out += _prepared_video(vision, where, load_video(url, limits), videos, is_cached)
                 videos += 1
                 continue
-            out.append(_prepared(vision, where, load_image(url, limits), is_cached))
+            out.append(_prepared(vision, where, load_image(url, limits), is_cached, _images(out)))
         except MediaError as e:
             raise ImagePartError(where, str(e)) from None
         except Exception as e:  # noqa: BLE001 - the processor refusing an image (e.g. too small)
@@ -166,7 +166,8 @@ def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None,
                 videos = sum(1 for p in images if p.placeholder and p.pixels.video is not None)
                 if kind == "image":
                     image = part["image"].convert("RGB")
-                    prepared = [_prepared(vision, where, LoadedImage(image, pixel_hash(image)), is_cached)]
+                    prepared = [_prepared(vision, where, LoadedImage(image, pixel_hash(image)), is_cached,
+                                          _images(images))]
                 elif kind == "video":  # a list of frames (PIL images)
                     frames = [f.convert("RGB") for f in part["video"]]
                     prepared = _prepared_video(vision, where, frames, videos, is_cached)
@@ -175,7 +176,7 @@ def chat_prompt(loaded, messages: list[dict], limits: MediaLimits | None = None,
                     prepared = _prepared_video(vision, where, frames, videos, is_cached)
                 else:
                     loaded_image = load_image(part["image_url"]["url"], limits)
-                    prepared = [_prepared(vision, where, loaded_image, is_cached)]
+                    prepared = [_prepared(vision, where, loaded_image, is_cached, _images(images))]
                 images += prepared
                 text += prepared[0].placeholder
             m = {**m, "content": text}
@@ -204,7 +205,15 @@ def _prepared_video(vision, where: str, frames: list, video: int, is_cached=None
     return out
 
 
-def _prepared(vision, where: str, loaded_image, is_cached=None) -> PreparedImage:
+def _images(prepared: list[PreparedImage]) -> int:
+    """How many images (not video frame groups) are in the prompt so far."""
+    return sum(1 for p in prepared if p.pixels.video is None)
+
+
+def _prepared(vision, where: str, loaded_image, is_cached=None, index: int = 0) -> PreparedImage:
+    """The prompt's image `index` (from 0): a family whose processor numbers its images (MiniCPM-V)
+    has the number before the image's placeholder, outside its span."""
     cached = is_cached is not None and is_cached(loaded_image.content_hash)
     pixels = vision.preprocess(loaded_image.image, pixels=not cached)
-    return PreparedImage(where, loaded_image.content_hash, pixels, vision.placeholder(pixels))
+    prefix = vision.image_prefix(index) if hasattr(vision, "image_prefix") else ""
+    return PreparedImage(where, loaded_image.content_hash, pixels, prefix + vision.placeholder(pixels))
