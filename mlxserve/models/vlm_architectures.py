@@ -116,11 +116,6 @@ NO_PROCESSOR = ("mlx-vlm ships no processor for it (it takes whatever its checkp
 DEEPSEEK_OCR = NOT_YET.format(what="DeepSeek-VL2's tile layout (served for deepseek_vl_v2) with SAM and CLIP towers on "
                                     "views its processor sizes in code (1024 px and 640 px): a tiny config would take "
                                     "hundreds of tokens an image, too many for the generated test")
-MINICPM_V = NOT_YET.format(what="its processor gives each image's slices as a list of patch arrays of different sizes "
-                                "(with their target sizes), which the one-pixel-array-an-image layout "
-                                "(vlm_images.OwnLayout) does not carry; with them carried, a tiny config's request "
-                                "that moved from the lone path into a batch gave other tokens at one prefill chunk "
-                                "size (its Qwen3.5 language model; cause not found)")
 MOONDREAM = ("its image rows and the BOS before them attend each other both ways (a prefix mask over the first 1 + 729 "
              "positions), and its prompt holds the image as 729 copies of id 0, a text token, right after BOS")
 AUDIO = NOT_YET.format(what="an omni model (audio and image towers); its image layout (tiles and their tokens) has "
@@ -161,9 +156,8 @@ VLM_REFUSED: dict[str, str] = {
                    "object: a prompt chunk after cached tokens gets plain positions, so an image after a cached "
                    "prefix or in a later chunk would not get the positions of mlx-vlm's one-pass prefill"),
     "llmjpvl": NO_PROCESSOR,
-    "minicpmv4_6": MINICPM_V,
-    "minicpmv4_7": NOT_YET.format(what="MiniCPM-V 4.6's slices (see minicpmv4_6), placed by canvas M-RoPE (spatial "
-                                       "positions of its thumbnail and slices), which no adapter computes"),
+    "minicpmv4_7": NOT_YET.format(what="MiniCPM-V 4.6's layout (served for minicpmv4_6), placed by canvas M-RoPE "
+                                       "(spatial positions of its thumbnail and slices), which no adapter computes"),
     "mllama": ("cross-attention to the image (Llama 3.2 Vision): image states sit beside the prompt, not in it "
                "as token embeddings, so cached blocks cannot hold them"),
     "molmo_point": ("it decodes through a loop of its own: each step's logits are extended with point logits "

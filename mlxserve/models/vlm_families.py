@@ -29,6 +29,13 @@ class ProcessorSpec:
     # from the span (the chat template places the prompt's own); a tokenizer without one (a tiny
     # config's) lends it its EOS, to be dropped the same way.
     bos: bool = False
+    # Its pixels are, for each prompt, a list of arrays of different sizes (MiniCPM-V 4.6's thumbnail
+    # and slices, each with its own patch grid): carried as a tuple of arrays, given back as one list.
+    ragged: bool = False
+    # The tokens between which the processor writes an image's index in the prompt before its span
+    # (MiniCPM-V's <image_id>0</image_id>): cut from the span, which is then the same wherever the image
+    # sits, and written by the prompt before each image, counting them (GenericVLM.image_prefix).
+    numbered: tuple[str, str] | None = None
 
 
 # preprocessor_config.json of the tiny configs (models/tiny_vlm.py): images of at most 16 tokens.
@@ -116,6 +123,18 @@ FAMILIES = {
                        tiny_preprocessor={"patch_size": 16, "scale_resolution": 64, "image_feature_size": 4},
                        own=ProcessorSpec(tokens=("<image>", "</image>", "<unk>", "<slice>", "</slice>"),
                                          inputs=("tgt_sizes", "image_bound"), positions=("image_bound",))),
+    # MiniCPM-V 4.6: the whole image between <image> and </image>, then its slices (a grid picked by the
+    # image's aspect), each between <slice> and </slice>, rows of slices ended by a newline, all after
+    # its index (<image_id>k</image_id>); each crop's patches an array of its own size, placed by image_bound.
+    "minicpmv4_6": Family("mlx_vlm.models.minicpmv4_6.processing_minicpmv4_6:MiniCPMVProcessor", (None, None),
+                          positions="index",
+                          image_processor="mlx_vlm.models.minicpmv4_6.processing_minicpmv4_6:MiniCPMVImageProcessor",
+                          tiny_preprocessor={"patch_size": 8, "scale_resolution": 64, "max_slice_nums": 2},
+                          own=ProcessorSpec(tokens=("<image>", "</image>", "<slice>", "</slice>", "<image_id>",
+                                                    "</image_id>"),
+                                            inputs=("tgt_sizes", "image_bound"), positions=("image_bound",),
+                                            image_token="<|image_pad|>", ragged=True,
+                                            numbered=("<image_id>", "</image_id>"))),
     # Nemotron-3 Nano Omni (its audio tower is not served): the whole image at a patch grid under its
     # budget, one run of image tokens between <img> and </img> (text in its template), 4 patches a token.
     "nemotron_h_nano_omni": Family("nemotron_omni", ("<img>", "</img>"),
