@@ -1,5 +1,6 @@
-"""Towers mlx-vlm sizes in code (models/vlm_towers.py): a real config builds exactly mlx-vlm's
-model, a tiny config a tiny tower of the same code."""
+"""What mlx-vlm fixes in code. Towers (models/vlm_towers.py): a real config builds exactly
+mlx-vlm's model, a tiny config a tiny tower of the same code; Jina VLM's embedding rows read
+without copying its table (models/vlm_patches.py)."""
 
 import pytest
 
@@ -72,3 +73,21 @@ def test_fastvit_keeps_its_five_stages():
     config["vision_config"]["layers"] = [1, 1]
     with pytest.raises(ValueError, match="5 stages"):
         build_vlm(config)
+
+
+def test_jina_embedding_rows_are_mlx_vlms_without_the_table_copy():
+    """models/vlm_patches.py reads Jina VLM's rows from the table holding each id (mlx-vlm's
+    concatenates both tables first): the same rows, from either table."""
+    import mlx.core as mx
+    from mlx_vlm.models.jina_vlm.language import ExtendedEmbedding
+
+    from mlxserve.models.vlm_patches import _jina_embedding_rows
+
+    _jina_embedding_rows()
+    table = ExtendedEmbedding(50, 6, 8)
+    table.embedding, table.new_embedding = mx.random.normal((50, 8)), mx.random.normal((6, 8))
+    ids = mx.array([[0, 49, 50, 55, 7], [53, 1, 2, 50, 49]])
+    ours = table(ids)
+    assert mx.array_equal(ours, type(table).__call__.original(table, ids)).item()
+    assert mx.array_equal(ours[0, 2], table.new_embedding[0]).item()
+    assert mx.array_equal(ours[1, 4], table.embedding[49]).item()

@@ -148,11 +148,12 @@ def _processor_spans_tokens(config: dict, family) -> None:
 
     tokenizer = copy.deepcopy(hf_of(default_tokenizer()))
     size = len(tokenizer)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(family.own.tokens)})
+    given = config.get("added_tokens", [])  # its OVERRIDES' (Jina VLM's)
+    tokenizer.add_special_tokens({"additional_special_tokens": [*given, *family.own.tokens]})
     proc = build_processor(family.processor, config["preprocessor_config"], tokenizer, family.image_processor)
     # Those the vocabulary has as plain text (MiniCPM-o's <unk>) too: made special, each is one token.
     added = tokenizer.convert_ids_to_tokens(list(range(size, len(tokenizer))))
-    config["added_tokens"] = list(dict.fromkeys([*family.own.tokens, *added]))
+    config["added_tokens"] = list(dict.fromkeys([*given, *family.own.tokens, *added]))
     image = getattr(proc, "image_token_id", None)
     if not isinstance(image, int):
         image = tokenizer.convert_tokens_to_ids(family.own.image_token or family.placeholder or proc.image_token)
@@ -202,6 +203,13 @@ OVERRIDES: dict[str, dict] = {
     # 64 px tiles of 4 tokens (16 patches, shuffled 2x2), at most 4 tiles and a thumbnail.
     "internvl": {"max_dynamic_patch": 4},
     "internvl_chat": {"max_dynamic_patch": 4, "vision_config": {"model_type": "intern_vit_6b"}},
+    # Its processor's fixed sizes (378 px crops of 14 px patches: the thumbnail and one crop, 424 tokens an
+    # image) and token ids (151665-151668, which the default vocabulary holds as unused [PAD...] entries:
+    # made special, they tokenize back to themselves); features of the tower's last two layers.
+    "jina_vlm": {"added_tokens": [f"[PAD{i}]" for i in range(151665, 151669)],
+                 "image_start_token_id": 151666, "image_end_token_id": 151667,
+                 "vision_config": {"image_size": 378, "patch_size": 14, "vit_layers": [-1, -2], "output_size": HIDDEN,
+                                   "connector_hidden_size": 64}},
     # A 128 px input: 8 x 8 patches in windows of 4, 2 x 2 tokens after its two stride-2 convolutions.
     "got": {"vision_config": {"img_size": 128, "out_chans": 16, "out_dim": VISION_WIDTH, "window_size": 4,
                               "global_attn_indexes": [1]}},

@@ -62,8 +62,36 @@ def _zaya_cache_pairs() -> None:
     zaya._split_cache = split_cache
 
 
+def _jina_embedding_rows() -> None:
+    """Let mlx-vlm's Jina VLM read its embedding rows without copying its whole table.
+
+    Its ExtendedEmbedding (the vocabulary's table and 128 added rows) concatenates the two
+    tables on every call, then takes the ids' rows: a copy of the whole vocabulary's table for
+    every prompt chunk and every decoded token (622 MB in bfloat16 for jina-vlm's 2048-wide
+    table; a third of the tiny model's generated test). Here each id's row is read from the
+    table that holds it: the same rows, bit for bit.
+    """
+    import mlx.core as mx
+    import mlx_vlm.models.jina_vlm.language as jina
+
+    original = jina.ExtendedEmbedding.__call__
+    if getattr(original, "mlxserve", False):
+        return
+
+    def rows(self, x):
+        vocab, added = self.embedding.shape[0], self.new_embedding.shape[0]
+        base = self.embedding[mx.minimum(x, vocab - 1)]
+        extra = self.new_embedding[mx.clip(x - vocab, 0, added - 1)]
+        return mx.where((x < vocab)[..., None], base, extra)
+
+    rows.mlxserve = True
+    rows.original = original  # mlx-vlm's own (tests compare with it)
+    jina.ExtendedEmbedding.__call__ = rows
+
+
 _PATCHES = {"mlx_vlm.models.qwen3_5.language": _qwen3_5_row_caches,
             "mlx_vlm.models.deepseek_vl_v2.language": deepseek_vl2_spatial_crops,  # models/vlm_spans.py
+            "mlx_vlm.models.jina_vlm.language": _jina_embedding_rows,
             "mlx_vlm.models.zaya1_vl.language": _zaya_cache_pairs}
 
 
