@@ -34,7 +34,7 @@ def _image(n: int, s: int, h: str) -> PreparedImage:
 
 def test_prompt_text_holding_the_stand_in_outside_an_image_is_refused():
     s = 7
-    vision = SimpleNamespace(image_token_id=s)
+    vision = SimpleNamespace(image_token_id=s, image_span_ids=lambda: {s})
     images = [_image(3, s, "a"), _image(2, s, "b")]
     prompt = [1, 2, s, s, s, 4, s, s, 5]
     spans = image_spans(prompt, vision, images)

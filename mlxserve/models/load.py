@@ -195,7 +195,7 @@ def load_dummy(source: str, dtype, quantize_bits, seed, sharding=None) -> Loaded
         sort_keys=True,
     )
     name = served_name(source, "dummy")
-    tokenizer = default_tokenizer_with(tuple(config.get("added_tokens") or ()))
+    tokenizer = default_tokenizer_with(tuple(config.get("added_tokens") or ()), config.get("chat_template"))
     materialize(model)
     return LoadedModel(
         model=model,
@@ -229,15 +229,19 @@ def _no_vision_sharded(config: dict, source: str) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def default_tokenizer_with(added: tuple[str, ...]):
-    """The default tokenizer with a tiny config's image tokens added (models/tiny_vlm.py): a copy
-    made once per set of tokens (~1 s), shared like default_tokenizer itself."""
-    if not added:
+def default_tokenizer_with(added: tuple[str, ...], chat_template: str | None = None):
+    """The default tokenizer with a tiny config's image tokens added and its chat template, if it
+    names one (models/tiny_vlm.py): a copy made once per set of them (~1 s), shared like
+    default_tokenizer itself."""
+    if not added and chat_template is None:
         return default_tokenizer()
     from mlxserve.models.chat import hf_of
 
     tokenizer = copy.deepcopy(default_tokenizer())
-    hf_of(tokenizer).add_special_tokens({"additional_special_tokens": list(added)})
+    if added:
+        hf_of(tokenizer).add_special_tokens({"additional_special_tokens": list(added)})
+    if chat_template is not None:
+        hf_of(tokenizer).chat_template = chat_template
     return tokenizer
 
 

@@ -64,6 +64,8 @@ class Family:
     # "index": the language model takes M-RoPE positions, but the family places every token at its
     # own index on all three axes (MiniCPM-o: its get_input_embeddings sets them so). "last": its
     # get_rope_index and language model keep the three axes last, (batch, seq, 3) (ERNIE 4.5 VL).
+    # "golden": Falcon OCR's (a 1-D position a whole image block, 2-D golden rotary positions of its
+    # patches); "xdrope": HunyuanVL's four axes (models/vlm_bothways.py).
     positions: str | None = None
     # The language model's argument saying which tokens of a chunk are media, as its Model.__call__
     # gives it (with its image inputs): ERNIE 4.5 VL's token_type_ids (1: media experts), ZAYA1-VL's
@@ -73,6 +75,10 @@ class Family:
     # -200 index, which no tokenizer gives): the tower is given that id alone, the prompt a run of
     # image_token, one a row.
     expands: str | None = None
+    # An image's span attends to itself both ways, but for this many rows at its end, which attend
+    # causally (Falcon OCR's end token): prefilled whole, its chunk's mask built for it
+    # (models/vlm_bothways.py). None: causal throughout.
+    both_ways: int | None = None
 
 
 QWEN3 = Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3", tiny_preprocessor=QWEN_TINY)

@@ -38,6 +38,7 @@ from mlxserve.models.vlm_layouts import LAYER_FEATURES, MODEL_FIXES
 from mlxserve.models.vlm_families import FAMILIES, Family, family_of  # noqa: F401 - read from here too
 from mlxserve.models.vlm_patches import _BIDIRECTIONAL, _PATCHES, bidirectional_images, check_supported  # noqa: F401
 from mlxserve.models.vlm_spans import ProcessorSpans
+from mlxserve.models.vlm_bothways import IMAGES as BLOCK_IMAGES, POSITIONS, BlockTextModel, image_blocks
 from mlxserve.models.vlm_standin import MARKED
 
 
@@ -45,6 +46,7 @@ from mlxserve.models.vlm_standin import MARKED
 # (cross-attention states, encoder outputs) does not fit this path.
 _KNOWN_FEATURES = {"inputs_embeds", "position_ids", "rope_deltas", "per_layer_inputs", "visual_pos_masks",
                    "deepstack_visual_embeds", "attention_mask_4d",
+                   "pos_hw",  # Falcon OCR's 2-D positions: a chunk's come with its positions (vlm_bothways.py)
                    "attention_mask"}  # the mask it was given, given back (Cohere Compass)
 
 
@@ -75,6 +77,7 @@ class GenericVLM(VisionAdapter):
         spec = FAMILIES[self.family]
         lm, cfg = model.language_model, model.config
         self.mrope = hasattr(lm, "get_rope_index")  # Qwen3-VL, Qwen3.5: M-RoPE positions from the image grids
+        self.mrope = self.mrope or spec.positions in POSITIONS  # HunyuanVL's (models/vlm_bothways.py)
         self.deepstack = bool(getattr(cfg.vision_config, "deepstack_visual_indexes", None)  # Qwen3-VL
                               or getattr(cfg, "deepstack_layer_map", None))  # Granite 4 Vision
         check_supported(config)
@@ -83,11 +86,14 @@ class GenericVLM(VisionAdapter):
         self.whole_images = bidirectional_images(config)
         if self.whole_images:
             _BIDIRECTIONAL[self.family]()
+        self.whole_images = self.whole_images or spec.both_ways is not None  # models/vlm_bothways.py
         super().__init__(model, config, processor_config, tokenizer)
-        if spec.processor in MARKED:  # image marks outside the vocabulary: stand-ins in the prompt
+        if spec.both_ways is not None or spec.positions in POSITIONS:  # their mask and positions, per pass
+            self.text_model = BlockTextModel(lm, self.mrope, spec.positions)
+        if spec.processor in MARKED or spec.processor in BLOCK_IMAGES:  # stand-ins; models/vlm_bothways.py
             from mlxserve.models.chat import hf_of
 
-            self.images = MARKED[spec.processor](config, processor_config, hf_of(tokenizer))
+            self.images = {**MARKED, **BLOCK_IMAGES}[spec.processor](config, processor_config, hf_of(tokenizer))
         elif spec.own is not None:
             from mlxserve.models.chat import hf_of
 
@@ -103,7 +109,7 @@ class GenericVLM(VisionAdapter):
         if self.family in MODEL_FIXES:  # mlx-vlm's model mended (models/vlm_layouts.py)
             MODEL_FIXES[self.family](model, self.images)
         self.text_model.positions_last = spec.positions == "last"
-        if spec.processor in MARKED:
+        if spec.processor in MARKED or hasattr(self.images, "stand_in"):
             self.image_token_id = self.images.stand_in
         elif spec.own is not None and spec.own.image_token:  # a token the config does not name (Molmo's)
             self.image_token_id = self.images.token_id()
@@ -161,6 +167,8 @@ class GenericVLM(VisionAdapter):
                                        ("image_end_token_id", self.images.end_text)))
 
     def image_span_ids(self) -> set[int]:
+        if hasattr(self.images, "span_ids"):  # Falcon OCR's image markers (models/vlm_bothways.py)
+            return self.images.span_ids()
         return {self.image_token_id, *self._breaks()} if hasattr(self.images, "token_ids") else {self.image_token_id}
 
     def _image_ids(self, image: ImageInput) -> list[int]:
@@ -236,6 +244,8 @@ class GenericVLM(VisionAdapter):
         a family whose get_input_embeddings does not give it all (tests compare with its pass)."""
         import mlx.core as mx
 
+        if FAMILIES[self.family].both_ways is not None:  # its mask, both ways over the image's rows
+            return {"mask": self.model.get_input_embeddings(mx.array([token_ids]), **image_inputs).attention_mask_4d}
         name = FAMILIES[self.family].media_mask
         if name is None:
             return {}
@@ -282,7 +292,10 @@ class GenericVLM(VisionAdapter):
         name = FAMILIES[self.family].media_mask
         if name is not None:
             out[name] = self._media(ids).astype(mx.int32) if name == "token_type_ids" else self._media(ids)
-        if self.whole_images:  # which tokens are media: mlx-vlm's mask lets each run attend to itself both ways
+        both_ways = FAMILIES[self.family].both_ways
+        if both_ways is not None and spans:  # the spans the chunk's mask lets attend to themselves both ways
+            out["image_blocks"] = image_blocks(len(token_ids), spans, both_ways)
+        elif self.whole_images:  # which tokens are media: mlx-vlm's mask lets each run attend to itself both ways
             types = (ids == self.image_token_id).astype(mx.int32)
             if self.video_token_id is not None:
                 types = types + 2 * (ids == self.video_token_id)
@@ -299,18 +312,20 @@ class GenericVLM(VisionAdapter):
 
         if FAMILIES[self.family].positions == "index":
             return mx.broadcast_to(mx.arange(len(token_ids))[None, None], (3, 1, len(token_ids))), 0
-
-        # A video's groups go as video grids of (1, h, w) each: mlx-vlm cuts a video's (t, h, w)
-        # into those rows itself, one per vision block.
-        grids = [im.grid_thw for im in images if im.video is None]
-        videos = [im.grid_thw for im in images if im.video is not None]
-        # By name: Cohere Compass's takes no video grids.
-        pos, delta = self.model.language_model.get_rope_index(
-            mx.array([token_ids]), image_grid_thw=mx.array(grids) if grids else None,
-            **({"video_grid_thw": mx.array(videos)} if videos else {}))
-        if self.text_model.positions_last:
-            pos = pos.transpose(2, 0, 1)
-        delta = int(delta.reshape(-1)[0].item())
+        if FAMILIES[self.family].positions in POSITIONS:  # Falcon OCR's, HunyuanVL's (models/vlm_bothways.py)
+            pos, delta = POSITIONS[FAMILIES[self.family].positions](self, token_ids, images)
+        else:
+            # A video's groups go as video grids of (1, h, w) each: mlx-vlm cuts a video's (t, h, w)
+            # into those rows itself, one per vision block.
+            grids = [im.grid_thw for im in images if im.video is None]
+            videos = [im.grid_thw for im in images if im.video is not None]
+            # By name: Cohere Compass's takes no video grids.
+            pos, delta = self.model.language_model.get_rope_index(
+                mx.array([token_ids]), image_grid_thw=mx.array(grids) if grids else None,
+                **({"video_grid_thw": mx.array(videos)} if videos else {}))
+            if self.text_model.positions_last:
+                pos = pos.transpose(2, 0, 1)
+            delta = int(delta.reshape(-1)[0].item())
         self._deltas[tuple(im.grid_thw for im in images)] = delta
         while len(self._deltas) > 1024:
             self._deltas.popitem(last=False)

@@ -83,7 +83,13 @@ def image_spans(prompt_ids: list[int], vision, images: list[PreparedImage]) -> l
     frame groups in order.
     """
     if any(im.pixels.ids is not None for im in images):
-        return _laid_out_spans(prompt_ids, vision.image_token_id, images)
+        out = _laid_out_spans(prompt_ids, vision.image_span_ids(), images)
+        if getattr(vision, "whole_images", False) and out[-1].start + out[-1].num_tokens == len(prompt_ids):
+            # Its pass is held whole and the prompt's last token is left to the pass that samples from
+            # it (engine/media.py): a prompt ending on such an image would be fed its last token twice.
+            raise MediaError("the prompt ends with an image: this model's image tokens attend to each other "
+                             "both ways, and some text must follow its last image")
+        return out
     # Token id -> which run it belongs to: an image's (its image tokens and breaks) or a video's.
     kind = {t: "image" for t in vision.image_span_ids()} | {vision.video_token_id: "video"}
     kind.pop(None, None)
@@ -118,9 +124,10 @@ def image_spans(prompt_ids: list[int], vision, images: list[PreparedImage]) -> l
     return out
 
 
-def _laid_out_spans(prompt_ids: list[int], image_token: int, images: list[PreparedImage]) -> list[PromptImage]:
+def _laid_out_spans(prompt_ids: list[int], marks: set[int], images: list[PreparedImage]) -> list[PromptImage]:
     """Images whose family's processor laid each out as a span of ids (text between its tiles):
-    each span found whole, in order, and nothing else in the prompt taking the image token."""
+    each span found whole, in order, and nothing else in the prompt taking the image token (or
+    another id that marks images: `marks`, VisionAdapter.image_span_ids)."""
     import numpy as np
 
     ids = np.asarray(prompt_ids)
@@ -134,7 +141,7 @@ def _laid_out_spans(prompt_ids: list[int], image_token: int, images: list[Prepar
                              "(does the text itself contain the model's image tokens?)")
         out.append(PromptImage(im.content_hash, start, len(span), im.pixels))
         pos = start + len(span)
-    if (ids == image_token).sum() != sum(im.pixels.ids.count(image_token) for im in images):
+    if any((ids == mark).sum() != sum(im.pixels.ids.count(mark) for im in images) for mark in marks):
         raise MediaError("the prompt's text holds the model's image token outside its images")
     return out
 
