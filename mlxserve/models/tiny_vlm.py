@@ -171,6 +171,15 @@ SHAPED = {"qwen2_5_vl": "qwen2.5-vl-tiny", "gemma3": "gemma3-vl-tiny", "llava": 
 # The others' image settings: 14 px patches, at most 16 tokens.
 ADAPTER_PREPROCESSORS = {"qwen2_vl": SHAPES["qwen2.5-vl-tiny"]["preprocessor_config"]}
 
+# Moondream's prompt starts with its image (its processor writes BOS, the image, then the question;
+# mlx-vlm has no chat template for it): the tiny configs' template writes each message as it is, so a
+# message that starts with its image starts the prompt with it.
+IMAGE_FIRST = "{%- for m in messages %}{{ m['content'] }}{%- endfor %}{%- if add_generation_prompt %}\n\nAnswer:{%- endif %}"
+# 84 px crops of 14 px patches (36 rows an image), the whole image and at most 3 crops overlapping by a patch.
+MOONDREAM = {"chat_template": IMAGE_FIRST, "vision_config": {"patch_size": 14, "crop_size": 84, "max_crops": 4,
+                                                             "overlap_margin": 1, "proj_inner_dim": 64,
+                                                             "proj_out_dim": HIDDEN}}
+
 # What the field names cannot tell, per model type.
 OVERRIDES: dict[str, dict] = {
     # Tiles of (64 / (16 x 2))^2 = 4 tokens (its processor's img_size, patch_size, downsample_factor).
@@ -303,6 +312,19 @@ OVERRIDES: dict[str, dict] = {
                     "min_num_patches": 4, "max_num_patches": 16, "vision_config": {"num_patches": 16}},
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
+    # Its image marks: Qwen's vision tokens and its object and box marks for its four registers; one frame.
+    "falcon_ocr": {"img_id": IMAGE_PAD, "image_cls_token_id": VISION_START, "image_reg_1_token_id": 151646,
+                   "image_reg_2_token_id": 151647, "image_reg_3_token_id": 151648, "image_reg_4_token_id": 151649,
+                   "img_end_id": VISION_END, "vision_config": {"temporal_patch_size": 1}},
+    # XD-RoPE's four sections of a 16-wide head, its base low enough that every axis turns (the image's
+    # rows and columns change the tokens); a 128 px position table (8 x 8 patches, interpolated).
+    "hunyuan_vl": {"vision_config": {"max_image_size": 128},
+                   "text_config": {"rope_theta": 1000.0,
+                                   "rope_scaling": {"type": "xdrope", "alpha": 1.0, "xdrope_section": [2, 2, 2, 2]}}},
+    "moondream2": MOONDREAM,
+    # Its rotary on half a 16-wide head; experts from the third layer; as many KV heads as heads (its
+    # temperatures scale each head's values).
+    "moondream3": {**MOONDREAM, "text_config": {"rope_dim": 8, "moe_start_layer": 2, "num_key_value_heads": 4}},
     # The processor's fixed sizes: a 728 px image, 14 px patches, downsampled 4x a side to 13 x 13 tokens.
     "step3p7": {"vision_config": {"image_size": 728, "patch_size": 14, "layers": 1}},
 }

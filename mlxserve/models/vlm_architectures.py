@@ -116,8 +116,6 @@ NO_PROCESSOR = ("mlx-vlm ships no processor for it (it takes whatever its checkp
 DEEPSEEK_OCR = NOT_YET.format(what="DeepSeek-VL2's tile layout (served for deepseek_vl_v2) with SAM and CLIP towers on "
                                     "views its processor sizes in code (1024 px and 640 px): a tiny config would take "
                                     "hundreds of tokens an image, too many for the generated test")
-MOONDREAM = ("its image rows and the BOS before them attend each other both ways (a prefix mask over the first 1 + 729 "
-             "positions), and its prompt holds the image as 729 copies of id 0, a text token, right after BOS")
 AUDIO = NOT_YET.format(what="an omni model (audio and image towers); its image layout (tiles and their tokens) has "
                             "no adapter")
 
@@ -140,21 +138,12 @@ VLM_REFUSED: dict[str, str] = {
     "deepseekocr": DEEPSEEK_OCR,
     "deepseekocr_2": DEEPSEEK_OCR,
     "diffusion_gemma": DIFFUSION_LM,
-    "falcon_ocr": ("its image tokens attend to each other both ways through a 4-D mask its get_input_embeddings "
-                   "builds over the whole prompt (mlx-vlm prefills it in one pass: no_chunked_prefill), and take 2-D "
-                   "(row, column) rotary positions (pos_hw) beside the 1-D ones: mlxserve prefills in chunks after "
-                   "cached blocks, keeps both-ways image attention exact there for Gemma 4 alone, and passes no "
-                   "per-chunk 2-D positions"),
     "falcon_perception": DETECTOR,
     "florence2": ENCODER_DECODER,
     "glm5_next": ("its sparse attention's indexer pools keys over windows of index_kpool tokens into mlx-vlm's "
                   "PoolingCache (a growing pool and the part-filled last window, per row): neither keys and values a "
                   "token nor a fixed-size recurrent state, so the prefix cache's layer kinds (cache/layers.py) cannot "
                   "cut it into blocks, and mlx-lm, whose cache classes the engine batches, has no class of it"),
-    "hunyuan_vl": ("its language model applies its XD-RoPE (an image's row, column and image index as position "
-                   "axes) only in a pass that starts at position 0, keeping that pass's positions on the model "
-                   "object: a prompt chunk after cached tokens gets plain positions, so an image after a cached "
-                   "prefix or in a later chunk would not get the positions of mlx-vlm's one-pass prefill"),
     "llmjpvl": NO_PROCESSOR,
     "minicpmv4_7": NOT_YET.format(what="MiniCPM-V 4.6's layout (served for minicpmv4_6), placed by canvas M-RoPE "
                                        "(spatial positions of its thumbnail and slices), which no adapter computes"),
@@ -164,8 +153,6 @@ VLM_REFUSED: dict[str, str] = {
                     "computed from per-request image state kept on the model object (patch keys from the prompt "
                     "pass's hidden states), and generated point tokens are embedded with image features; the engine "
                     "batches plain logits, and a prefix-cache hit skips the pass that builds that state"),
-    "moondream2": MOONDREAM,
-    "moondream3": MOONDREAM,
     "nemotron_parse": ENCODER_DECODER,
     "paligemma": ("its prefix attends both ways over the whole prompt (image and text): a prompt cut into chunks "
                   "or continued from cached blocks would change its tokens"),

@@ -108,6 +108,10 @@ FAMILIES = {
                              (None, None), image_token=("image_token_index",), tiny_preprocessor=DEEPSEEK_TINY,
                              own=ProcessorSpec(pixels="images", inputs=("images_spatial_crop", "images_seq_mask"),
                                                masks=("images_seq_mask",), bos=True)),
+    # Falcon OCR: its image block (CLS, four registers, a token a patch, its end token) attends to itself
+    # both ways but for the end token, takes one 1-D position, and its patches 2-D (row, column) ones.
+    "falcon_ocr": Family("falcon_ocr", (None, None), image_token=("img_id",), both_ways=1, positions="golden",
+                         tiny_preprocessor={}),
     "glm4v": GLM4V,
     # GOT-OCR 2.0: one square tower input, its image tags' ids in the config (<img>, </img>, <imgpad>).
     "got": Family("got", ("im_start_token", "im_end_token"), image_token=("im_patch_token",)),
@@ -161,12 +165,19 @@ FAMILIES = {
     # </img>; decoded one token at a time (its PBD decoder's "slow" mode, mlx-vlm's generate), not in blocks.
     "locateanything": Family("locateanything", ("<img>", "</img>"), tiny_preprocessor=KIMI_TINY),
     "mimo_v2": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY),
+    # Moondream 2 / 3: BOS and the image's rows (one crop's patches: 729 in its checkpoints) attend each
+    # other both ways; in the prompt, stand-ins for them (models/vlm_bothways.py).
+    "moondream2": Family("moondream", (None, None), both_ways=0, tiny_preprocessor={}),
+    "moondream3": Family("moondream", (None, None), both_ways=0, tiny_preprocessor={}),
     "mage_vl": Family("qwen", ("vision_start_token_id", "vision_end_token_id"),  # one frame a patch
                       tiny_preprocessor=QWEN_TINY | {"temporal_patch_size": 1}),
     "paddleocr_vl": Family("mlx_vlm.models.paddleocr_vl.processing_paddleocr_vl:ImageProcessor",
                            ("vision_start_token_id", "vision_end_token_id"),
                            tiny_preprocessor={"min_pixels": 1024, "max_pixels": 16384, "patch_size": 16,
                                               "merge_size": 2, "temporal_patch_size": 1}),
+    # HunyuanVL: a run of rows x (columns + 1) + 2 image tokens between its image marks, placed by XD-RoPE.
+    "hunyuan_vl": Family("hunyuan_vl", ("image_start_token_id", "image_end_token_id"), positions="xdrope",
+                         tiny_preprocessor={"min_pixels": 1024, "max_pixels": 16384}),
     "kimi_vl": Family("kimi_vl", ("<|media_start|>image<|media_content|>", "<|media_end|>"),
                       tiny_preprocessor=KIMI_TINY, image_token=KIMI_IMAGE),
     "kimi_k25": Family("kimi_k25", ("<|media_begin|>image<|media_content|>", "<|media_end|>"),
