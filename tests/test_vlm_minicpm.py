@@ -1,5 +1,6 @@
-"""MiniCPM-V 4.6: what its generated test (tests/test_vlm_architectures.py) meets only when the
-engine's steps happen to fall one way (they follow the vision tower's time slices)."""
+"""MiniCPM-V 4.6 and 4.7: what their generated test (tests/test_vlm_architectures.py) does not
+show: a request moved into a batch on one step rather than another (the steps follow the vision
+tower's time slices there), prompts of two images, and 4.7's canvas positions."""
 
 import pytest
 
@@ -18,10 +19,21 @@ from test_vlm_architectures import image_prompts, load_config, user
 
 
 @pytest.fixture(scope="module")
-def minicpm(tmp_path_factory):
+def tiny(tmp_path_factory):
     from mlxserve.models.tiny_vlm import tiny_vlm_config
 
-    return load_config(tiny_vlm_config("minicpmv4_6"), tmp_path_factory.mktemp("minicpmv4_6"))
+    loaded = {}
+
+    def get(model_type):
+        if model_type not in loaded:
+            loaded[model_type] = load_config(tiny_vlm_config(model_type), tmp_path_factory.mktemp(model_type))
+        return loaded[model_type]
+    return get
+
+
+@pytest.fixture
+def minicpm(tiny):
+    return tiny("minicpmv4_6")
 
 
 def scheduler(loaded):
@@ -69,27 +81,64 @@ def test_request_moved_into_a_batch_mid_prompt_keeps_its_tokens(minicpm):
     assert [out[a.request_id], out[b.request_id]] == alone
 
 
-def test_images_are_numbered_as_mlx_vlms_processor_numbers_them(minicpm):
-    """Each image's number (<image_id>k</image_id>) goes before it in the prompt, outside its span
-    (the same wherever the image sits): the prompt is the one mlx-vlm's processor makes of the text
-    with both images, and the engine's greedy tokens are its own pass's over that prompt."""
-    import mlx.core as mx
-
-    vision, images = minicpm.vision, [picture(31), picture(32, (50, 70))]
-    ids, spans = chat_prompt(minicpm, user(images[0], "and", images[1], "Compare them."))
-    assert [vision.image_prefix(k) for k in range(2)] == ["<image_id>0</image_id>", "<image_id>1</image_id>"]
+def two_images(loaded):
+    """A prompt of two images (the first sliced, the second not) and mlx-vlm's processor's outputs
+    for the same text with both images, its own image marker where each image and its number stand."""
+    vision, images = loaded.vision, [picture(31), picture(32, (50, 70))]
+    ids, spans = chat_prompt(loaded, user(images[0], "and", images[1], "Compare them."))
     layout = vision.images
     text = layout.tokenizer.decode(ids)
-    for k, im in enumerate(spans):  # the processor's own marker where each image and its number stand
+    for k, im in enumerate(spans):
         text = text.replace(vision.image_prefix(k) + layout.tokenizer.decode(im.pixels.ids), "<|image_pad|>", 1)
-    out = layout.proc(text=[text], images=images)
-    assert out["input_ids"][0].tolist() == ids
+    return ids, spans, layout.proc(text=[text], images=images)
 
-    engine = AsyncEngine(minicpm, EngineConfig(prefill_chunk_size=5)).start()  # chunks cut through the images
+
+def mlx_vlm_inputs(out) -> dict:
+    import mlx.core as mx
+
+    return {"pixel_values": [[mx.array(p) for p in out["pixel_values"][0]]],
+            "tgt_sizes": [mx.array(out["tgt_sizes"][0])], "image_bound": [mx.array(out["image_bound"][0])]}
+
+
+@pytest.mark.parametrize("model_type", ["minicpmv4_6", "minicpmv4_7"])
+def test_images_are_numbered_as_mlx_vlms_processor_numbers_them(tiny, model_type):
+    """Each image's number (<image_id>k</image_id>) goes before it in the prompt, outside its span
+    (the same wherever the image sits): the prompt is the one mlx-vlm's processor makes of the text
+    with both images, and the engine's greedy tokens are its own pass's over that prompt (4.7's:
+    at its canvas positions, the text after each image moved on past its canvas)."""
+    loaded = tiny(model_type)
+    ids, spans, out = two_images(loaded)
+    assert [loaded.vision.image_prefix(k) for k in range(2)] == ["<image_id>0</image_id>", "<image_id>1</image_id>"]
+    assert out["input_ids"][0].tolist() == ids and [len(out["tgt_sizes"][0]), spans[1].pixels.ids.count(
+        loaded.vision.images.tokenizer.convert_tokens_to_ids("<slice>"))] == [4, 0]
+
+    engine = AsyncEngine(loaded, EngineConfig(prefill_chunk_size=5)).start()  # chunks cut through the images
     try:
         (got, _), = run(engine, [(ids, spans)], greedy(6))
     finally:
         engine.stop()
-    inputs = {"pixel_values": [[mx.array(p) for p in out["pixel_values"][0]]],
-              "tgt_sizes": [mx.array(out["tgt_sizes"][0])], "image_bound": [mx.array(out["image_bound"][0])]}
-    assert got == mlx_vlm_greedy(vision, ids, 6, **inputs)
+    assert got == mlx_vlm_greedy(loaded.vision, ids, 6, **mlx_vlm_inputs(out))
+
+
+def test_canvas_positions_are_mlx_vlms(tiny):
+    """MiniCPM-V 4.7 lays each image's crops on a canvas (M-RoPE rows and columns of the thumbnail
+    and the slices): its chunked logits are mlx-vlm's whole-prompt ones, and are not with every
+    token at its own index (4.6's positions)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from test_vlm import mlx_vlm_forward
+    from test_vlm_families import chunked_logits
+
+    loaded = tiny("minicpmv4_7")
+    vision = loaded.vision
+    ids, spans, out = two_images(loaded)
+    want = np.array(mlx_vlm_forward(vision, ids, **mlx_vlm_inputs(out))[0])
+    assert np.abs(chunked_logits(vision, ids, spans) - want).max() < 1e-3
+    assert vision.positions(ids, [im.pixels for im in spans])[1] < 0  # the text after goes on past each canvas
+
+    vision.positions = lambda t, images: (mx.broadcast_to(mx.arange(len(t))[None, None], (3, 1, len(t))), 0)
+    try:
+        assert np.abs(chunked_logits(vision, ids, spans) - want).max() > 0.1
+    finally:
+        del vision.positions

@@ -271,6 +271,11 @@ OVERRIDES: dict[str, dict] = {
                     "vision_config": {"patch_size": 8},
                     "text_config": {"rope_parameters": {"type": "default", "mrope_section": [2, 1, 1],
                                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
+    # 4.6's, its language model's three M-RoPE axes told apart by its canvas positions.
+    "minicpmv4_7": {"patch_size": 8, "image_size": 64, "insert_layer_id": 0,
+                    "vision_config": {"patch_size": 8},
+                    "text_config": {"rope_parameters": {"type": "default", "mrope_section": [2, 1, 1],
+                                                        "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
     # Its text model is Nemotron-H's (mlx-lm's tiny layout: Mamba, attention, Mamba, MLP).
     "nemotron_h_nano_omni": {"img_context_token_id": IMAGE_PAD, "vit_hidden_size": VISION_WIDTH,
                              "projector_hidden_size": 2 * HIDDEN, "text_config": {"hybrid_override_pattern": "M*M-"}},

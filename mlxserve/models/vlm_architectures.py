@@ -145,8 +145,6 @@ VLM_REFUSED: dict[str, str] = {
                   "token nor a fixed-size recurrent state, so the prefix cache's layer kinds (cache/layers.py) cannot "
                   "cut it into blocks, and mlx-lm, whose cache classes the engine batches, has no class of it"),
     "llmjpvl": NO_PROCESSOR,
-    "minicpmv4_7": NOT_YET.format(what="MiniCPM-V 4.6's layout (served for minicpmv4_6), placed by canvas M-RoPE "
-                                       "(spatial positions of its thumbnail and slices), which no adapter computes"),
     "mllama": ("cross-attention to the image (Llama 3.2 Vision): image states sit beside the prompt, not in it "
                "as token embeddings, so cached blocks cannot hold them"),
     "molmo_point": ("it decodes through a loop of its own: each step's logits are extended with point logits "

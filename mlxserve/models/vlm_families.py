@@ -64,6 +64,7 @@ class Family:
     # "index": the language model takes M-RoPE positions, but the family places every token at its
     # own index on all three axes (MiniCPM-o: its get_input_embeddings sets them so). "last": its
     # get_rope_index and language model keep the three axes last, (batch, seq, 3) (ERNIE 4.5 VL).
+    # "canvas": MiniCPM-V 4.7's, an image's crops laid on one 2-D canvas (models/vlm_minicpm.py).
     # "golden": Falcon OCR's (a 1-D position a whole image block, 2-D golden rotary positions of its
     # patches); "xdrope": HunyuanVL's four axes (models/vlm_bothways.py).
     positions: str | None = None
@@ -145,6 +146,19 @@ FAMILIES = {
                                             inputs=("tgt_sizes", "image_bound"), positions=("image_bound",),
                                             image_token="<|image_pad|>", ragged=True,
                                             numbered=("<image_id>", "</image_id>"))),
+    # MiniCPM-V 4.7: 4.6's layout, its crops placed by canvas M-RoPE, which its model computes from the
+    # marks' ids in its config (its merge finds the image rows by image_token_id itself).
+    "minicpmv4_7": Family("mlx_vlm.models.minicpmv4_7.processing_minicpmv4_7:MiniCPMV4_7Processor", (None, None),
+                          positions="canvas",
+                          image_processor="mlx_vlm.models.minicpmv4_6.processing_minicpmv4_6:MiniCPMVImageProcessor",
+                          tiny_preprocessor={"patch_size": 8, "scale_resolution": 64, "max_slice_nums": 2},
+                          own=ProcessorSpec(tokens=("<image>", "</image>", "<slice>", "</slice>", "<image_id>",
+                                                    "</image_id>"),
+                                            inputs=("tgt_sizes",), image_token="<|image_pad|>", ragged=True,
+                                            numbered=("<image_id>", "</image_id>"),
+                                            config_tokens={"image_start_id": "<image>", "image_end_id": "</image>",
+                                                           "slice_start_id": "<slice>", "slice_end_id": "</slice>",
+                                                           "newline_id": "\u010a"})),  # "\n" (byte-level)
     # Nemotron-3 Nano Omni (its audio tower is not served): the whole image at a patch grid under its
     # budget, one run of image tokens between <img> and </img> (text in its template), 4 patches a token.
     "nemotron_h_nano_omni": Family("nemotron_omni", ("<img>", "</img>"),

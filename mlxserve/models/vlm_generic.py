@@ -267,7 +267,10 @@ class GenericVLM(VisionAdapter):
         import mlx.core as mx
 
         ids = mx.array(token_ids)[None]
-        text = self.model.get_input_embeddings(ids)
+        # MiniCPM-V 4.7's merge refuses image tokens without their crops' grids: its text rows are read with
+        # them as id 0 (the image's spliced rows take their place).
+        canvas = FAMILIES[self.family].positions == "canvas"
+        text = self.model.get_input_embeddings(mx.where(self._media(ids), 0, ids) if canvas else ids)
         emb = text.inputs_embeds[0]
         pieces, deep, pos = [], [], 0
         for start, rows in sorted(spans, key=lambda s: s[0]):
@@ -312,6 +315,10 @@ class GenericVLM(VisionAdapter):
 
         if FAMILIES[self.family].positions == "index":
             return mx.broadcast_to(mx.arange(len(token_ids))[None, None], (3, 1, len(token_ids))), 0
+        if FAMILIES[self.family].positions == "canvas":  # MiniCPM-V 4.7's
+            from mlxserve.models.vlm_minicpm import canvas_positions
+
+            return canvas_positions(self.model, token_ids, images)
         if FAMILIES[self.family].positions in POSITIONS:  # Falcon OCR's, HunyuanVL's (models/vlm_bothways.py)
             pos, delta = POSITIONS[FAMILIES[self.family].positions](self, token_ids, images)
         else:
@@ -332,6 +339,8 @@ class GenericVLM(VisionAdapter):
         return pos, delta
 
     def rope_delta(self, token_ids, images) -> int:
+        if FAMILIES[self.family].positions == "canvas":  # its crops' grids (not image grids) and the marks decide
+            return self.positions(token_ids, images)[1]
         # As for Qwen2.5-VL: the delta is a function of the image grids alone (a video
         # group's block is placed as an image's of its grid).
         key = tuple(im.grid_thw for im in images)
