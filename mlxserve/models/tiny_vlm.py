@@ -174,7 +174,8 @@ ADAPTER_PREPROCESSORS = {"qwen2_vl": SHAPES["qwen2.5-vl-tiny"]["preprocessor_con
 # Moondream's prompt starts with its image (its processor writes BOS, the image, then the question;
 # mlx-vlm has no chat template for it): the tiny configs' template writes each message as it is, so a
 # message that starts with its image starts the prompt with it.
-IMAGE_FIRST = "{%- for m in messages %}{{ m['content'] }}{%- endfor %}{%- if add_generation_prompt %}\n\nAnswer:{%- endif %}"
+IMAGE_FIRST = ("{%- for m in messages %}{{ m['content'] }}{%- endfor %}"
+               "{%- if add_generation_prompt %}\n\nAnswer:{%- endif %}")
 # 84 px crops of 14 px patches (36 rows an image), the whole image and at most 3 crops overlapping by a patch.
 MOONDREAM = {"chat_template": IMAGE_FIRST, "vision_config": {"patch_size": 14, "crop_size": 84, "max_crops": 4,
                                                              "overlap_margin": 1, "proj_inner_dim": 64,
