@@ -13,12 +13,13 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def memory_limit() -> int:
-    """Bytes MLX may use: Metal's recommended working set (or device memory), else physical RAM."""
+    """Bytes MLX may use: Metal's recommended working set (or device memory), a CUDA GPU's memory
+    (`total_memory`: its arrays live there, not in the host's RAM), else physical RAM."""
     try:
         info = mx.device_info()
     except Exception:  # noqa: BLE001 - older MLX, or a backend without it
         info = {}
-    for key in ("max_recommended_working_set_size", "memory_size"):
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         if info.get(key):
             return int(info[key])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
