@@ -97,6 +97,21 @@ fi
 
 for which in small big; do
   step "$which" || continue
+  if [ "${SEQUENTIAL:-0}" = 1 ]; then
+    # One server at a time: an idle distributed server still polls its ranks with a collective
+    # (engine/plans.py), which would take GPU time from a server measured beside it.
+    for w in 1 $WIDTHS; do
+      log "$which: $w GPU(s) alone (port 8101)"
+      serve "$w" 8101 "$M/$which"
+      if wait_up 8101 600; then
+        bench "$which-$w" "http://127.0.0.1:8101/v1" "${w}gpu"
+        stats 8101 "stats-$which-$w.json"
+        log "$which: $w GPU(s) measured"
+      fi
+      stop 8101
+    done
+    continue
+  fi
   log "$which: 1 GPU (port 8101) and $WIDTHS GPUs tensor parallel (ports 8102...)"
   serve 1 8101 "$M/$which"
   ports=8101; urls="http://127.0.0.1:8101/v1"; labels=1gpu; port=8101
