@@ -669,3 +669,14 @@ def test_parse_size():
     for bad in ("lots", "-1GB", "120%", "4XB"):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_a_share_of_memory_is_of_the_devices_memory(monkeypatch):
+    """On a CUDA GPU a percentage is of the GPU's memory (its arrays live there), not of the
+    host's RAM: 10% of a 540 GB host once left a 45B model's ranks no room for running requests."""
+    gpu = {"total_memory": 80 << 30, "free_memory": 79 << 30, "architecture": "sm_90"}
+    monkeypatch.setattr(mx, "device_info", lambda: gpu)
+    assert memory_limit() == 80 << 30
+    assert parse_size("10%") == 8 << 30
+    monkeypatch.setattr(mx, "device_info", lambda: {"memory_size": 64 << 30, "max_recommended_working_set_size": 48 << 30})
+    assert memory_limit() == 48 << 30  # Metal: the recommended working set
