@@ -91,3 +91,41 @@ def test_jina_embedding_rows_are_mlx_vlms_without_the_table_copy():
     assert mx.array_equal(ours, type(table).__call__.original(table, ids)).item()
     assert mx.array_equal(ours[0, 2], table.new_embedding[0]).item()
     assert mx.array_equal(ours[1, 4], table.embedding[49]).item()
+
+
+def test_jina_rope_gives_each_batch_row_its_own_positions():
+    """mlx-vlm's Jina RoPE gave every row of a batch cache the largest row's offset; mended, each
+    row is rotated as it is alone (bit for bit)."""
+    import mlx.core as mx
+    from mlx_vlm.models.jina_vlm.language import RoPE
+
+    from mlxserve.models.vlm_patches import _jina_row_positions
+
+    _jina_row_positions()
+    rope, x = RoPE(16), mx.random.normal((2, 2, 3, 16))
+    both = rope(x, offset=mx.array([5, 0]))
+    for row, offset in enumerate((5, 0)):
+        assert mx.array_equal(both[row], rope(x[row:row + 1], offset=offset)[0]).item()
+    assert not mx.allclose(RoPE.__call__.original(rope, x, mx.array([5, 0]))[1], both[1]).item()
+
+
+def test_jina_crops_follow_its_connector_sizes():
+    """Real sizes (or none) leave Jina's processor as mlx-vlm builds it; a tiny config's crops are the
+    size its connector reads."""
+    from types import SimpleNamespace
+
+    from mlx_vlm.models.jina_vlm.config import VisionConfig
+    from mlx_vlm.models.jina_vlm.image_processor import ImageProcessor
+
+    from mlxserve.models.vlm_patches import jina_crop_size
+
+    def crops(vision_config):
+        images = SimpleNamespace(proc=SimpleNamespace(_image_proc=ImageProcessor()))
+        before = images.proc._image_proc
+        jina_crop_size(SimpleNamespace(config=SimpleNamespace(vision_config=vision_config)), images)
+        return before, images.proc._image_proc
+
+    before, after = crops(VisionConfig())
+    assert after is before
+    before, after = crops(VisionConfig(image_size=140))
+    assert after is not before and after.base_input_size == (140, 140) and after.tokens_per_image == 25

@@ -213,12 +213,13 @@ OVERRIDES: dict[str, dict] = {
     # 64 px tiles of 4 tokens (16 patches, shuffled 2x2), at most 4 tiles and a thumbnail.
     "internvl": {"max_dynamic_patch": 4},
     "internvl_chat": {"max_dynamic_patch": 4, "vision_config": {"model_type": "intern_vit_6b"}},
-    # Its processor's fixed sizes (378 px crops of 14 px patches: the thumbnail and one crop, 424 tokens an
-    # image) and token ids (151665-151668, which the default vocabulary holds as unused [PAD...] entries:
-    # made special, they tokenize back to themselves); features of the tower's last two layers.
+    # 140 px crops of 14 px patches, pooled 2 x 2 (its processor cut at the connector's size: models/vlm_patches.py
+    # jina_crop_size): the thumbnail and one crop, 64 tokens an image (424 at its real 378 px, which left the tiny
+    # model's tokens the same whatever the image or question). Its processor's token ids (151665-151668), which
+    # the default vocabulary holds as unused [PAD...] entries: made special, they tokenize back to themselves.
     "jina_vlm": {"added_tokens": [f"[PAD{i}]" for i in range(151665, 151669)],
                  "image_start_token_id": 151666, "image_end_token_id": 151667,
-                 "vision_config": {"image_size": 378, "patch_size": 14, "vit_layers": [-1, -2], "output_size": HIDDEN,
+                 "vision_config": {"image_size": 140, "patch_size": 14, "vit_layers": [-1, -2], "output_size": HIDDEN,
                                    "connector_hidden_size": 64}},
     # A 128 px input: 8 x 8 patches in windows of 4, 2 x 2 tokens after its two stride-2 convolutions.
     "got": {"vision_config": {"img_size": 128, "out_chans": 16, "out_dim": VISION_WIDTH, "window_size": 4,

@@ -207,8 +207,15 @@ def granite4_chunk_extras(out: dict, media, rows) -> dict:
     return out
 
 
+def _jina_crops(model, images) -> None:
+    from mlxserve.models.vlm_patches import jina_crop_size
+
+    jina_crop_size(model, images)
+
+
 # Mends of mlx-vlm models, by model type: each given the model and its adapter's image processor.
-MODEL_FIXES = {"llava_next": anyres_merge, "granite_vision": anyres_merge, "granite4_vision": granite4_layer_features}
+MODEL_FIXES = {"llava_next": anyres_merge, "granite_vision": anyres_merge, "granite4_vision": granite4_layer_features,
+               "jina_vlm": _jina_crops}  # models/vlm_patches.py
 # A family's per-layer image features in the form its layers read: the chunk's extras, its image-token
 # mask and its image tokens' rows [n, layers, D] -> the extras.
 LAYER_FEATURES = {"granite4_vision": granite4_chunk_extras}

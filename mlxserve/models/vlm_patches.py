@@ -89,9 +89,63 @@ def _jina_embedding_rows() -> None:
     jina.ExtendedEmbedding.__call__ = rows
 
 
+def _jina_row_positions() -> None:
+    """Give each row of a batch cache its own rotary positions in mlx-vlm's Jina VLM.
+
+    Its RoPE takes a batch cache's per-row offsets as their largest (`offset.max().item()`) for
+    every row: a row whose cache holds fewer tokens (a prompt that joined a running batch, a
+    prefix-cache hit of another length) gets positions past its own, and its tokens change (the
+    generated test: a batch of 3 gave other tokens than each prompt alone). Here each row's
+    positions start at its own offset, as a one-row cache's do (the same float32 values).
+    """
+    import mlx.core as mx
+    import mlx_vlm.models.jina_vlm.language as jina
+
+    original = jina.RoPE.__call__
+    if getattr(original, "mlxserve", False):
+        return
+
+    def rope(self, x, offset=0):
+        if not isinstance(offset, mx.array) or offset.ndim == 0:
+            return original(self, x, offset)
+        positions = (offset[:, None] + mx.arange(x.shape[2])).astype(mx.float32)  # (rows, L)
+        freqs = positions[..., None] * self._inv_freq
+        emb = mx.concatenate([freqs, freqs], axis=-1)[:, None]  # (rows, 1, L, dims): every head
+        half = self.dims // 2
+        rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        return (x * mx.cos(emb) + rotated * mx.sin(emb)).astype(x.dtype)
+
+    rope.mlxserve = True
+    rope.original = original
+    jina.RoPE.__call__ = rope
+
+
+def _jina_vlm() -> None:
+    _jina_embedding_rows()
+    _jina_row_positions()
+
+
+def jina_crop_size(model, images) -> None:
+    """Crop Jina VLM's images at the size its model's connector reads (models/vlm_layouts.py MODEL_FIXES).
+
+    Its processor builds its ImageProcessor with the code's defaults (378 px crops of 14 px patches,
+    pooled 2 x 2), while its connector computes a crop's patch grid and pooled rows from the config's
+    vision_config (image_size, patch_size, pooling_h, pooling_w). Real configs give those defaults (or
+    nothing), so their processor is left as it is; a config that gives other sizes (a tiny one: 140 px
+    crops, 64 tokens an image instead of 424) gets crops its connector can read.
+    """
+    from mlx_vlm.models.jina_vlm.image_processor import ImageProcessor
+
+    vc, proc = model.config.vision_config, images.proc._image_proc
+    sizes = {"base_input_size": (vc.image_size, vc.image_size), "patch_size": vc.patch_size,
+             "pooling_h": vc.pooling_h, "pooling_w": vc.pooling_w}
+    if any(getattr(proc, k) != v for k, v in sizes.items()):
+        images.proc._image_proc = ImageProcessor(**sizes)
+
+
 _PATCHES = {"mlx_vlm.models.qwen3_5.language": _qwen3_5_row_caches,
             "mlx_vlm.models.deepseek_vl_v2.language": deepseek_vl2_spatial_crops,  # models/vlm_spans.py
-            "mlx_vlm.models.jina_vlm.language": _jina_embedding_rows,
+            "mlx_vlm.models.jina_vlm.language": _jina_vlm,
             "mlx_vlm.models.zaya1_vl.language": _zaya_cache_pairs}
 
 
