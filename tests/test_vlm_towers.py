@@ -129,3 +129,32 @@ def test_jina_crops_follow_its_connector_sizes():
     assert after is before
     before, after = crops(VisionConfig(image_size=140))
     assert after is not before and after.base_input_size == (140, 140) and after.tokens_per_image == 25
+
+
+# DeepSeek-OCR's vision_config as its checkpoints describe SAM (and OCR 2's Qwen2 encoder).
+SAM_B = {"width": 768, "layers": 12, "heads": 12, "global_attn_indexes": [2, 5, 8, 11]}
+OCR_VISION = {"deepseekocr": {"model_type": "vision", "width": {"sam_vit_b": SAM_B | {"downsample_channels": [512, 1024]}}},
+              "deepseekocr_2": {"model_type": "vision", "width": {"sam_vit_b": SAM_B | {"downsample_channels": [512, 896]},
+                                                                  "qwen2-0-5b": {"dim": 896}}}}
+
+
+@pytest.mark.parametrize("model_type", sorted(OCR_VISION))
+def test_deepseek_ocr_sam_is_mlx_vlms_for_a_real_config_and_tiny_for_a_tiny_one(model_type):
+    import math
+
+    from mlxserve.models.tiny_vlm import tiny_vlm_config
+    from mlxserve.models.vlm import build_vlm
+
+    tiny = tiny_vlm_config(model_type)
+    real = {**tiny, "vision_config": OCR_VISION[model_type],
+            "projector_config": {"projector_type": "linear", "input_dim": 2048 if model_type == "deepseekocr" else 896,
+                                 "n_embed": tiny["hidden_size"]}}
+    if model_type == "deepseekocr":
+        real["vision_config"] |= {"layers": 2, "hidden_size": 1024, "num_attention_heads": 16}  # a shallow CLIP-L
+    towers = ("sam_model", "vision_model")
+    ours, theirs = build_vlm(real), mlx_vlm_build(real)
+    for name in towers:
+        assert shapes(getattr(ours, name)) == shapes(getattr(theirs, name)), name
+    assert sum(math.prod(s) for s in shapes(theirs.sam_model).values()) > 80_000_000
+    small = build_vlm(tiny)
+    assert all(sum(math.prod(s) for s in shapes(getattr(small, name)).values()) < 1_000_000 for name in towers)

@@ -181,6 +181,10 @@ MOONDREAM = {"chat_template": IMAGE_FIRST, "vision_config": {"patch_size": 14, "
                                                              "overlap_margin": 1, "proj_inner_dim": 64,
                                                              "proj_out_dim": HIDDEN}}
 
+# DeepSeek-OCR's SAM, tiny (models/vlm_towers.py): SAMViTConfig's fields, in its checkpoints' vision_config.
+DEEPSEEK_SAM = {"width": VISION_WIDTH, "layers": 2, "heads": 2, "global_attn_indexes": [], "prompt_embed_dim": 16,
+                "downsample_channels": [VISION_WIDTH, VISION_WIDTH]}
+
 # What the field names cannot tell, per model type.
 OVERRIDES: dict[str, dict] = {
     # Tiles of (64 / (16 x 2))^2 = 4 tokens (its processor's img_size, patch_size, downsample_factor).
@@ -206,6 +210,17 @@ OVERRIDES: dict[str, dict] = {
     # Its projector pools 2 x 2 patches (its processor's downsample_ratio: models/vlm_generic.py DEEPSEEK_TINY).
     "deepseek_vl_v2": {"projector_config": {"input_dim": VISION_WIDTH, "n_embed": HIDDEN, "downsample_ratio": 2},
                        "vision_config": {"model_type": "vision"}},
+    # Its processor's real sizes (a 1024 px global view, 273 rows; OCR 2's also a 768 px crop, 401 rows);
+    # its SAM (and OCR 2's Qwen2 encoder) sized where real configs describe them (vision_config's width),
+    # which models/vlm_towers.py reads: two windowed blocks (no global one), a 16-wide neck. A CLIP-L
+    # layout (224 px, 14 px patches) 32 wide, fed SAM's rows (OCR 1); the projector takes both.
+    "deepseekocr": {"vision_config": {"model_type": "vision", "layers": 2, "image_size": 224, "patch_size": 14,
+                                      "width": {"sam_vit_b": DEEPSEEK_SAM}},
+                    "projector_config": {"projector_type": "linear", "input_dim": 2 * VISION_WIDTH, "n_embed": HIDDEN}},
+    "deepseekocr_2": {"vision_config": {"model_type": "vision", "width": {
+                          "sam_vit_b": DEEPSEEK_SAM, "qwen2-0-5b": {"dim": VISION_WIDTH, "layers": 2, "heads": 2,
+                                                                    "kv_heads": 1, "intermediate_size": 64}}},
+                      "projector_config": {"projector_type": "linear", "input_dim": VISION_WIDTH, "n_embed": HIDDEN}},
     # Its perceiver pools each crop to image_seq_len latents (its family's processor_config).
     "idefics2": {"perceiver_config": {"model_type": "idefics2_perceiver", "num_key_value_heads": 2,
                                       "resampler_depth": 1, "resampler_head_dim": 16, "resampler_n_heads": 2,

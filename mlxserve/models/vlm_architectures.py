@@ -113,9 +113,6 @@ TILES = NOT_YET.format(what="its processor cuts an image into tiles or crops (an
 NO_PROCESSOR = ("mlx-vlm ships no processor for it (it takes whatever its checkpoint names through transformers' "
                 "AutoProcessor): how an image is cut into the tower's input and how many tokens it takes are not in "
                 "mlx-vlm, so mlxserve has no layout to follow or to test against")
-DEEPSEEK_OCR = NOT_YET.format(what="DeepSeek-VL2's tile layout (served for deepseek_vl_v2) with SAM and CLIP towers on "
-                                    "views its processor sizes in code (1024 px and 640 px): a tiny config would take "
-                                    "hundreds of tokens an image, too many for the generated test")
 AUDIO = NOT_YET.format(what="an omni model (audio and image towers); its image layout (tiles and their tokens) has "
                             "no adapter")
 
@@ -135,8 +132,6 @@ VLM_REFUSED: dict[str, str] = {
     "colidefics3": EMBEDDING,
     "colqwen2_5": EMBEDDING,
     "d1": DECISION,
-    "deepseekocr": DEEPSEEK_OCR,
-    "deepseekocr_2": DEEPSEEK_OCR,
     "diffusion_gemma": DIFFUSION_LM,
     "falcon_perception": DETECTOR,
     "florence2": ENCODER_DECODER,

@@ -109,6 +109,10 @@ FAMILIES = {
                              (None, None), image_token=("image_token_index",), tiny_preprocessor=DEEPSEEK_TINY,
                              own=ProcessorSpec(pixels="images", inputs=("images_spatial_crop", "images_seq_mask"),
                                                masks=("images_seq_mask",), bos=True)),
+    # DeepSeek-OCR (1 and 2): its 1024 px global view and its crops (640 px past 640 px; OCR 2's always,
+    # 768 px), rows ended by newline rows: one run of image tokens (models/vlm_ocr.py).
+    "deepseekocr": Family("deepseekocr", (None, None), image_token=("image_token_index",), tiny_preprocessor={}),
+    "deepseekocr_2": Family("deepseekocr_2", (None, None), image_token=("image_token_index",), tiny_preprocessor={}),
     # Falcon OCR: its image block (CLS, four registers, a token a patch, its end token) attends to itself
     # both ways but for the end token, takes one 1-D position, and its patches 2-D (row, column) ones.
     "falcon_ocr": Family("falcon_ocr", (None, None), image_token=("img_id",), both_ways=1, positions="golden",

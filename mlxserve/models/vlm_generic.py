@@ -232,6 +232,8 @@ class GenericVLM(VisionAdapter):
         import mlx.core as mx
 
         pixels = self.pixels(image)
+        if hasattr(self.images, "tower_pixels"):  # DeepSeek-OCR's [crops, global view] (models/vlm_ocr.py)
+            return self.images.tower_pixels(pixels)
         return [[mx.array(p) for p in pixels]] if isinstance(pixels, tuple) else mx.array(pixels)
 
     def _media(self, ids):

@@ -363,6 +363,12 @@ def _plamo2vl(config: dict, pc: dict):
     return PlamoTiles(config, pc)
 
 
+def _deepseek_ocr(config: dict, pc: dict):
+    from mlxserve.models.vlm_ocr import DeepSeekOCRImages
+
+    return DeepSeekOCRImages(config, pc)
+
+
 def image_processor(name: str, config: dict, pc: dict):
     """A family's image processor by its Family.processor name (models/vlm_generic.py)."""
     if name in PROCESSORS:
@@ -381,6 +387,7 @@ PROCESSORS = {
     "nemotron_omni": _nemotron_omni, "phi4mm": _phi4mm, "inkling": _inkling,  # models/vlm_omni.py
     "got": GotImages,
     "multi_modality": _multi_modality, "plamo2vl": _plamo2vl,  # models/vlm_fixed.py
+    "deepseekocr": _deepseek_ocr, "deepseekocr_2": _deepseek_ocr,  # models/vlm_ocr.py
 }
 
 
