@@ -183,6 +183,9 @@ class AsyncEngine:
         for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if vocab and any(not 0 <= t < vocab for t in ids):
                 raise ValueError(f"{field}: token ids must be in [0, {vocab})")
+        needs_image = getattr(self.loaded.vision, "needs_image", None)  # PaliGemma's (models/vlm_prefix.py)
+        if needs_image and not request.images:
+            raise ValueError(f"prompt: {needs_image}")
         if request.images and request.params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: not supported for prompts with images")
         max_tokens = self.check_length(len(request.prompt_token_ids), request.params.max_tokens)

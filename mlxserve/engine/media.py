@@ -12,6 +12,9 @@ request, with its cache and (Qwen-VL) its rope delta set: the text after the
 images is prefilled there, and the forward pass of the last prompt chunk gives
 the first output token (no extra pass for the last token). When the prefix
 cache already holds every image, there is nothing to do here but set the delta.
+A prompt attended both ways as a whole (PaliGemma's, models/vlm_prefix.py) is
+prefilled here to its end in one pass, its last token's keys then dropped for the
+pass that samples to feed it again.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import trim_prompt_cache
 
 from mlxserve.engine.stepwise import Stepwise
 
@@ -47,6 +51,11 @@ class MediaPrefill:
         self.images_end = max(im.start + im.num_tokens for im in seq.request.images)
         # Text after the last image goes the text path (positions = offset + delta there).
         self.end = max(self.done, min(self.images_end, len(self.prompt) - 1))
+        # A prompt attended both ways as a whole (PaliGemma's, models/vlm_prefix.py): all of the rest of it
+        # in one pass here, its last token included (see _prefill).
+        self.whole_prompt = getattr(vision, "prompt_both_ways", False)
+        if self.whole_prompt:
+            self.end = len(self.prompt) - 1
         self.features: dict[int, mx.array] = {}  # image index -> its embeddings
         self.positions = None
         self.delta = 0
@@ -136,7 +145,11 @@ class MediaPrefill:
             self.positions, self.delta = self.vision.positions(self.prompt, images)
 
     def images_ready(self) -> bool:
-        """Every image the rest of the prompt needs has its embeddings (no tower work left)."""
+        """Every image the rest of the prompt needs has its embeddings (no tower work left), so the
+        solo path may prefill the rest. Never for a prompt attended both ways as a whole: the solo
+        path prefills in causal chunks, and its prompt is prefilled here, in one pass."""
+        if self.whole_prompt:
+            return False
         return self.encoding is None and all(i in self.features for i in self._needed(self.done, self.end))
 
     def step(self) -> None:
@@ -145,6 +158,7 @@ class MediaPrefill:
             self._ensure_positions(full=False)
             start = self.done
             end = start + self.seq.cut(start, min(self.chunk_size, self.end - start))
+            end = self.end if self.whole_prompt else end
             missing = [i for i in self._needed(start, end) if i not in self.features]
             if missing:
                 self._encode(missing[0])
@@ -179,10 +193,16 @@ class MediaPrefill:
 
     def _prefill(self, start: int, end: int) -> None:
         if end > start:
-            inputs = self._inputs(start, end)
-            positions = None if self.positions is None else self.positions[..., start:end]
-            tokens = mx.array(self.prompt[start:end])[None]
+            # A prompt attended both ways as a whole: its last token is in this pass, as every other token's
+            # keys depend on it; its own keys are dropped after, and the pass that samples feeds it again,
+            # attending to every key as here, so its keys and logits come out as this pass's.
+            stop = len(self.prompt) if self.whole_prompt else end
+            inputs = self._inputs(start, stop)
+            positions = None if self.positions is None else self.positions[..., start:stop]
+            tokens = mx.array(self.prompt[start:stop])[None]
             self.vision.text_model(tokens, cache=self.cache, positions=positions, **inputs)
+            if stop > end and trim_prompt_cache(self.cache, stop - end) != stop - end:
+                raise RuntimeError("a prompt attended both ways needs a cache that drops its last token")
             mx.eval([c.state for c in self.cache])
             self.done = end
             # Images wholly before the cached part are no longer needed.

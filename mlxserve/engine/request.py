@@ -5,6 +5,8 @@ Plain Python only: the API layer builds these without touching MLX.
 
 from __future__ import annotations
 
+import array
+import hashlib
 import itertools
 import math
 import time
@@ -151,6 +153,13 @@ class Request:
             first, last = im.start // block_size, (im.start + im.num_tokens - 1) // block_size
             for b in range(first, min(last, n_blocks - 1) + 1):
                 keys[b].append((im.content_hash, im.start - b * block_size))
+        if any(im.whole_prompt for im in self.images):
+            # A prompt attended both ways as a whole (PaliGemma's): each token's KV depends on the
+            # tokens after it, so a block serves only this same prompt.
+            # Keyed as media are, (hash, where it starts relative to the block): the prompt, from 0.
+            whole = "prompt:" + hashlib.sha256(array.array("q", self.prompt_token_ids).tobytes()).hexdigest()
+            for b, k in enumerate(keys):
+                k.append((whole, -b * block_size))
         return [tuple(k) or None for k in keys]
 
 

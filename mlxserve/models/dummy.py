@@ -133,8 +133,9 @@ def init_weights(model, config: dict, seed: int, dtype) -> dict:
     hidden = tc.get("hidden_size") or dict(model.named_modules())[min(embeds)].weight.shape[-1]
     tied = not heads
     offsets = _norm_offsets(model)
-    # Gemma multiplies embeddings by sqrt(hidden).
-    input_scale = math.sqrt(hidden) if config["model_type"].startswith("gemma") else 1.0
+    # Gemma multiplies embeddings by sqrt(hidden) (PaliGemma's language model too: its text config's type).
+    gemma = any(str(t).startswith("gemma") for t in (config["model_type"], tc.get("model_type")))
+    input_scale = math.sqrt(hidden) if gemma else 1.0
     if tied:
         embed_std = 1 / (math.sqrt(hidden) * input_scale)  # the token enters the residual at 1/sqrt(hidden)
         final_gain = logit_std / (math.sqrt(hidden) * embed_std)

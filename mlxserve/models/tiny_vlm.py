@@ -298,6 +298,10 @@ OVERRIDES: dict[str, dict] = {
                              "projector_hidden_size": 2 * HIDDEN, "text_config": {"hybrid_override_pattern": "M*M-"}},
     # Its text settings are the config's own (no text_config); the image token its tokenizer has, added;
     # mlx-vlm's -200 index; a small audio encoder (built whatever the request).
+    # PaliGemma's processor: its image first, then the text and a newline (its checkpoints' BOS between them);
+    # 96 px images, 36 tokens.
+    "paligemma": {"vision_config": {"image_size": 96}, "chat_template": ("{%- for m in messages %}{{ m['content'] }}{%- endfor %}"
+                                    "{%- if add_generation_prompt %}{{ '\\n' }}{%- endif %}")},
     "phi4mm": {"image_token_index": -200, "added_tokens": ["<|endoftext10|>"], "vocab_size": QWEN_VOCAB + 64,
                "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
                "mm_hidden_size": VISION_WIDTH,

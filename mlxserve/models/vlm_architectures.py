@@ -147,8 +147,6 @@ VLM_REFUSED: dict[str, str] = {
                     "pass's hidden states), and generated point tokens are embedded with image features; the engine "
                     "batches plain logits, and a prefix-cache hit skips the pass that builds that state"),
     "nemotron_parse": ENCODER_DECODER,
-    "paligemma": ("its prefix attends both ways over the whole prompt (image and text): a prompt cut into chunks "
-                  "or continued from cached blocks would change its tokens"),
     "qwen3_vl_embedding": EMBEDDING,
     "qwen4_exp": ("its attention layers keep, beside keys and values, the indexer's unprojected keys and their "
                   "multimodal positions a token (mlx-vlm's QSAKVCache): the prefix cache's layer kinds "

@@ -80,6 +80,10 @@ class Family:
     # causally (Falcon OCR's end token): prefilled whole, its chunk's mask built for it
     # (models/vlm_bothways.py). None: causal throughout.
     both_ways: int | None = None
+    # The whole prompt attends both ways (PaliGemma's prefix: image rows, BOS, text, the closing newline),
+    # so it is prefilled in one pass to its last token and cached blocks are keyed by all of it
+    # (models/vlm_prefix.py).
+    prefix_lm: bool = False
 
 
 QWEN3 = Family("qwen", ("vision_start_token_id", "vision_end_token_id"), video="qwen3", tiny_preprocessor=QWEN_TINY)
@@ -306,6 +310,10 @@ FAMILIES = {
     "llava_bunny": Family("llava_bunny", (None, None), tiny_preprocessor={}),
     "fastvlm": Family("fastvlm", (None, None), tiny_preprocessor={"size": {"shortest_edge": 128},
                                                                   "crop_size": {"height": 128, "width": 128}}),
+    # PaliGemma 1 / 2: SigLIP at a fixed square size, one run of (size / patch)^2 image tokens first in the
+    # prompt; the whole prompt attends both ways (models/vlm_prefix.py).
+    "paligemma": Family("paligemma", (None, None), image_token=("image_token_index",), prefix_lm=True,
+                        tiny_preprocessor={}),
     "phi3_v": Family("phi3_v", (None, None), tiny_preprocessor={"num_crops": 1}),
     # Phi-4-SigLIP's -200: one row a SigLIP-2 NaFlex patch (4 to 16 patches of 16 px in the tiny config).
     "phi4_siglip": Family("phi4_siglip", (None, None), tiny_preprocessor={}),

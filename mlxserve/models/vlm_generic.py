@@ -40,6 +40,7 @@ from mlxserve.models.vlm_patches import _BIDIRECTIONAL, _PATCHES, bidirectional_
 from mlxserve.models.vlm_spans import ProcessorSpans
 from mlxserve.models.vlm_bothways import IMAGES as BLOCK_IMAGES, POSITIONS, BlockTextModel, image_blocks
 from mlxserve.models.vlm_standin import MARKED
+from mlxserve.models.vlm_prefix import IMAGES as PREFIX_IMAGES, NEEDS_IMAGE, PrefixTextModel, zero_padding
 
 
 # What get_input_embeddings may return beside the embeddings; a family giving more
@@ -86,14 +87,20 @@ class GenericVLM(VisionAdapter):
         self.whole_images = bidirectional_images(config)
         if self.whole_images:
             _BIDIRECTIONAL[self.family]()
-        self.whole_images = self.whole_images or spec.both_ways is not None  # models/vlm_bothways.py
+        self.whole_images = self.whole_images or spec.both_ways is not None or spec.prefix_lm  # vlm_bothways.py
+        # PaliGemma's whole prompt attends both ways (models/vlm_prefix.py): prefilled to its end in one pass.
+        self.prompt_both_ways = spec.prefix_lm
+        self.needs_image = NEEDS_IMAGE if spec.prefix_lm else None
         super().__init__(model, config, processor_config, tokenizer)
         if spec.both_ways is not None or spec.positions in POSITIONS:  # their mask and positions, per pass
             self.text_model = BlockTextModel(lm, self.mrope, spec.positions)
-        if spec.processor in MARKED or spec.processor in BLOCK_IMAGES:  # stand-ins; models/vlm_bothways.py
+        if spec.prefix_lm:
+            self.text_model = PrefixTextModel(lm, self.mrope)
+        owned = {**MARKED, **BLOCK_IMAGES, **PREFIX_IMAGES}
+        if spec.processor in owned:  # stand-ins; models/vlm_bothways.py, models/vlm_prefix.py
             from mlxserve.models.chat import hf_of
 
-            self.images = {**MARKED, **BLOCK_IMAGES}[spec.processor](config, processor_config, hf_of(tokenizer))
+            self.images = owned[spec.processor](config, processor_config, hf_of(tokenizer))
         elif spec.own is not None:
             from mlxserve.models.chat import hf_of
 
@@ -246,6 +253,8 @@ class GenericVLM(VisionAdapter):
         a family whose get_input_embeddings does not give it all (tests compare with its pass)."""
         import mlx.core as mx
 
+        if FAMILIES[self.family].prefix_lm:  # none: the whole prompt both ways (PaliGemma's mask of ones)
+            return {}
         if FAMILIES[self.family].both_ways is not None:  # its mask, both ways over the image's rows
             return {"mask": self.model.get_input_embeddings(mx.array([token_ids]), **image_inputs).attention_mask_4d}
         name = FAMILIES[self.family].media_mask
@@ -298,7 +307,9 @@ class GenericVLM(VisionAdapter):
         if name is not None:
             out[name] = self._media(ids).astype(mx.int32) if name == "token_type_ids" else self._media(ids)
         both_ways = FAMILIES[self.family].both_ways
-        if both_ways is not None and spans:  # the spans the chunk's mask lets attend to themselves both ways
+        if FAMILIES[self.family].prefix_lm:  # its merge's zero rows for the pad token; its mask: none (all)
+            out["inputs_embeds"] = zero_padding(out["inputs_embeds"], ids, self.model.config.pad_token_id)
+        elif both_ways is not None and spans:  # the spans the chunk's mask lets attend to themselves both ways
             out["image_blocks"] = image_blocks(len(token_ids), spans, both_ways)
         elif self.whole_images:  # which tokens are media: mlx-vlm's mask lets each run attend to itself both ways
             types = (ids == self.image_token_id).astype(mx.int32)

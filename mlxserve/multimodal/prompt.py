@@ -32,6 +32,9 @@ class PromptImage:
     start: int
     num_tokens: int
     pixels: Any
+    # Its prompt attends both ways as a whole (PaliGemma's prefix, models/vlm_prefix.py): every prefix
+    # block of the prompt is keyed by all of it (Request.block_extra_keys).
+    whole_prompt: bool = False
 
 
 @dataclass
@@ -121,6 +124,8 @@ def image_spans(prompt_ids: list[int], vision, images: list[PreparedImage]) -> l
     if k != len(images) or len(out) != len(images) or sum(r[1] for r in runs) != sum(o.num_tokens for o in out):
         raise MediaError("the prompt's image placeholder tokens do not match its images "
                          "(does the text itself contain the model's image or video tokens?)")
+    for im in out:
+        im.whole_prompt = getattr(vision, "prompt_both_ways", False)
     return out
 
 
