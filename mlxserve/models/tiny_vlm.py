@@ -18,6 +18,7 @@ import importlib
 
 from mlxserve.models.shapes import QWEN_VOCAB, SHAPES
 from mlxserve.models.tiny import HIDDEN, _fill, _merge
+from mlxserve.models.vlm_prefix import CHAT_TEMPLATE as PALIGEMMA_TEMPLATE
 
 # The Qwen vocabulary's vision tokens stand in for every family's image tokens.
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
@@ -298,10 +299,9 @@ OVERRIDES: dict[str, dict] = {
                              "projector_hidden_size": 2 * HIDDEN, "text_config": {"hybrid_override_pattern": "M*M-"}},
     # Its text settings are the config's own (no text_config); the image token its tokenizer has, added;
     # mlx-vlm's -200 index; a small audio encoder (built whatever the request).
-    # PaliGemma's processor: its image first, then the text and a newline (its checkpoints' BOS between them);
-    # 96 px images, 36 tokens.
-    "paligemma": {"vision_config": {"image_size": 96}, "chat_template": ("{%- for m in messages %}{{ m['content'] }}{%- endfor %}"
-                                    "{%- if add_generation_prompt %}{{ '\\n' }}{%- endif %}")},
+    # PaliGemma's prompt as mlx-vlm makes it (models/vlm_prefix.py; BOS after the image where a tokenizer has
+    # one); 96 px images, 36 tokens.
+    "paligemma": {"vision_config": {"image_size": 96}, "chat_template": PALIGEMMA_TEMPLATE},
     "phi4mm": {"image_token_index": -200, "added_tokens": ["<|endoftext10|>"], "vocab_size": QWEN_VOCAB + 64,
                "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
                "mm_hidden_size": VISION_WIDTH,

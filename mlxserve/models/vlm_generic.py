@@ -40,7 +40,8 @@ from mlxserve.models.vlm_patches import _BIDIRECTIONAL, _PATCHES, bidirectional_
 from mlxserve.models.vlm_spans import ProcessorSpans
 from mlxserve.models.vlm_bothways import IMAGES as BLOCK_IMAGES, POSITIONS, BlockTextModel, image_blocks
 from mlxserve.models.vlm_standin import MARKED
-from mlxserve.models.vlm_prefix import IMAGES as PREFIX_IMAGES, NEEDS_IMAGE, PrefixTextModel, zero_padding
+from mlxserve.models.vlm_prefix import CHAT_TEMPLATE as PREFIX_TEMPLATE, IMAGES as PREFIX_IMAGES, NEEDS_IMAGE
+from mlxserve.models.vlm_prefix import PrefixTextModel, zero_padding
 
 
 # What get_input_embeddings may return beside the embeddings; a family giving more
@@ -125,6 +126,13 @@ class GenericVLM(VisionAdapter):
         self.expands = self._token_id(config, (spec.expands,)) if spec.expands else None
         self._wrap = (self._wrap_text(config, spec.wrap[0]), self.token_text(self.image_token_id),
                       self._wrap_text(config, spec.wrap[1]))
+        if spec.prefix_lm:  # PaliGemma's processor writes BOS after the image (models/vlm_prefix.py)
+            from mlxserve.models.chat import hf_of
+
+            hf = hf_of(tokenizer)
+            self._wrap = (*self._wrap[:2], self._wrap[2] + (hf.bos_token or ""))
+            if hf.chat_template is None:  # its checkpoints have none: mlx-vlm's prompt for it
+                hf.chat_template = PREFIX_TEMPLATE
         self._deltas: OrderedDict[tuple, int] = OrderedDict()  # image grids -> M-RoPE delta
         self.videos = VIDEOS[spec.video](config, processor_config) if spec.video else None
         if self.videos is not None:

@@ -22,6 +22,10 @@ import numpy as np
 
 from mlxserve.models.vlm import ImageInput, TextModel
 
+# mlx-vlm's prompt for it (its checkpoints have no chat template): the last message alone, its image
+# first, then the newline its processor ends the prompt with. The image's placeholder ends with BOS,
+# where the processor writes it (GenericVLM's wrap for this family).
+CHAT_TEMPLATE = ("{{ messages[-1]['content'] }}{%- if add_generation_prompt %}{{ '\\n' }}{%- endif %}")
 NEEDS_IMAGE = ("this model takes an image with every prompt (PaliGemma's prompt attends both ways as a whole, "
                "after its image; its processor refuses a prompt without one)")
 
