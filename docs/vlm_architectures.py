@@ -49,19 +49,36 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def served_text(model_type: str) -> dict:
+    """What the engine reports for one of mlx-vlm's own text models (models/vlm_text.py)."""
+    loaded = load(model_type, load_format="dummy", progress=False)
+    cache = PrefixCache(BlockPool(1 << 20), 16, "docs", model=loaded.model)
+    return capabilities(loaded.model, loaded.config, cache_off=cache.disabled, disk=True)
+
+
 def others() -> str:
     """mlx-vlm's packages that are not vision-language models: served as text, or refused."""
-    text, refused = [], []
+    text, own, refused = [], [], []
     for package in vlm_packages():
         if is_vlm(package):
             continue
         kind, detail = state(package)
         if kind == "text":
             text.append(f"`{package}`" + (f" (`{detail}`)" if detail != package else ""))
+        elif kind == "vlm text":
+            s = served_text(package)
+            kinds = ", ".join(f"{n} {k}" for k, n in s["layer_kinds"].items())
+            own.append(f"| `{package}` | {kinds} | {yes(s['batches'])} | {yes(s['caches'])} | "
+                       f"{yes(s['survives_restart'])} | {'; '.join(s['limits'])} |")
         else:
             refused.append(f"- `{package}`: {detail}")
+    own_table = "\n".join(["| model type | cache layers (tiny config) | batches | prefix cache | after a restart | notes |",
+                           "|---|---|---|---|---|---|", *own])
     return (f"Served as text through mlx-lm (the table above): {', '.join(text)}.\n\n"
-            "Refused at load, with why:\n\n" + "\n".join(refused))
+            "Served as text through mlx-vlm's own model classes (`mlxserve/models/vlm_text.py`: text models "
+            "mlx-lm does not have), each tested as mlx-lm's types are on a 2-layer tiny config built from its "
+            "`ModelConfig` (`tests/test_vlm_text.py`); `mlxserve serve klear --load-format dummy` serves one:\n\n"
+            f"{own_table}\n\nRefused at load, with why:\n\n" + "\n".join(refused))
 
 
 def section() -> str:

@@ -43,6 +43,12 @@ def resolve_config(config_or_shape) -> dict:
         return tiny_config(config_or_shape)
     from mlxserve.models.architectures import check_served
     from mlxserve.models.vlm_architectures import is_vlm
+    from mlxserve.models.vlm_text import is_vlm_text
+
+    if is_vlm_text(config_or_shape):  # mlx-vlm's text-only types mlx-lm lacks (models/vlm_text.py)
+        from mlxserve.models.vlm_text import tiny_text_config
+
+        return tiny_text_config(config_or_shape)
 
     if is_vlm(config_or_shape):  # a bare mlx-vlm model type: its tiny config (models/tiny_vlm.py)
         from mlxserve.models.tiny_vlm import tiny_vlm_config
@@ -204,16 +210,22 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
     # in each process (and a disk tier would serve KV of other weights after a restart).
     mx.random.seed(seed)
     from mlxserve.models.vlm import is_vlm_config
+    from mlxserve.models.vlm_text import build_vlm_text, is_vlm_text
 
     if is_vlm_config(config):  # served with images; other VLMs' configs build their text model (mlx-lm's)
         from mlxserve.models.vlm import build_vlm
 
         model = build_vlm(config)
+    elif is_vlm_text(config.get("model_type")):  # mlx-vlm's text-only types mlx-lm lacks
+        model = build_vlm_text(config, source)
     else:
         model = build_text_model(config, source)
     if sharding is not None:
         sharding.before_weights(model, config.get("model_type", "?"))
-    model.load_weights(list(init_weights(model, config, seed, getattr(mx, dtype)).items()))
+    weights = init_weights(model, config, seed, getattr(mx, dtype))
+    if hasattr(model, "random_weights"):  # mlx-vlm's text models: gains their classes leave at 0 (models/vlm_text.py)
+        weights = model.random_weights(weights)
+    model.load_weights(list(weights.items()))
     if quantize_bits:
         group_size = 64
         nn.quantize(

@@ -25,12 +25,15 @@ SERIAL_PREFILL = frozenset({"jamba", "olmo_hybrid", "nemotron_h", "mamba", "baic
 SERIAL_PREFILL_VLM = frozenset({"qwen3_5", "qwen3_5_moe", "indic_ocr",  # (the last two: Qwen3.5's language model)
                                 "minicpmv4_6", "minicpmv4_7",  # (Qwen3.5's language model, MiniCPM-V's tower)
                                 "zaya1_vl"})
+# mlx-vlm's text-only Qwen3.5 packages (served through models/vlm_text.py): the same language model.
+SERIAL_PREFILL_VLM_TEXT = frozenset({"qwen3_5_text", "qwen3_5_moe_text"})
 
 
 def prefill_batch_size(config: dict, requested: int) -> int:
     """Prompts prefilled together for this model: `requested`, or 1 where padding breaks it."""
     family = config.get("model_type")
-    serial = family in SERIAL_PREFILL or ("vision_config" in config and family in SERIAL_PREFILL_VLM)
+    serial = family in SERIAL_PREFILL or family in SERIAL_PREFILL_VLM_TEXT or (
+        "vision_config" in config and family in SERIAL_PREFILL_VLM)
     return 1 if serial else requested
 
 
@@ -40,4 +43,5 @@ def unbatchable_layers(model) -> list[str]:
     no `merge`; cache/chunked.py gives it one, installed by engine/runner.py.)"""
     from mlx_lm.models.cache import make_prompt_cache
 
-    return sorted({type(c).__name__ for c in make_prompt_cache(model) if not hasattr(type(c), "merge")})
+    own = getattr(model, "own_cache_classes", [])  # mlx-vlm's classes mlx-lm has no copy of (models/vlm_text.py)
+    return sorted({type(c).__name__ for c in make_prompt_cache(model) if not hasattr(type(c), "merge")} | set(own))

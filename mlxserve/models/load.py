@@ -226,6 +226,11 @@ def _no_vision_sharded(config: dict, source: str) -> None:
     if is_vlm_config(config):
         raise ModelLoadError(f"{source}: vision-language models are not served across processes yet; "
                              "serve it on one device")
+    from mlxserve.models.vlm_text import is_vlm_text
+
+    if is_vlm_text(config.get("model_type")):
+        raise ModelLoadError(f"{source}: mlx-vlm's text models are not served across processes yet; "
+                             "serve it on one device")
 
 
 @functools.lru_cache(maxsize=16)
@@ -253,11 +258,13 @@ def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits, shar
     from mlxserve.models.vlm import is_vlm_config, load_vlm_weights, processor_config
 
     from mlxserve.models.architectures import text_model_classes
+    from mlxserve.models.vlm_text import is_vlm_text, load_vlm_text
 
     folder = Path(folder)
     try:
         config = json.loads((folder / "config.json").read_text())
-        if not is_vlm_config(config):
+        vlm_text = is_vlm_text(config.get("model_type"))  # mlx-vlm's text-only types mlx-lm lacks
+        if not is_vlm_config(config) and not vlm_text:
             text_model_classes(config, source)  # an unknown architecture: say so before reading weights
         if sharding is not None:
             _no_vision_sharded(config, source)
@@ -267,6 +274,8 @@ def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits, shar
             sharding.after_weights(model)
         elif is_vlm_config(config):
             model = load_vlm_weights(folder)
+        elif vlm_text:
+            model = load_vlm_text(folder, source)
         else:
             model, config = load_model(folder)
         tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))

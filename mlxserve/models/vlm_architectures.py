@@ -87,6 +87,10 @@ def state(package: str) -> tuple[str, str]:
     served = text_type(package)
     if served is not None:
         return "text", served
+    from mlxserve.models.vlm_text import is_vlm_text
+
+    if is_vlm_text(package):
+        return "vlm text", "mlx-vlm's own model classes"
     return "unknown", ""
 
 
@@ -101,8 +105,6 @@ DIFFUSION_LM = ("a diffusion language model: it fills masked positions in parall
                 "after another, which the engine's decoding loop is")
 ENCODER_DECODER = ("an encoder-decoder model: its decoder cross-attends to the encoded image, so a prompt is not "
                    "one sequence of token embeddings that cached blocks can hold")
-TEXT_ONLY = ("a text model mlx-lm {version} does not have (mlxserve runs text models on mlx-lm, not on mlx-vlm's "
-             "copies of them)")
 # Vision-language models the adapters do not cover yet: how the family's processor lays an
 # image out in the prompt, which the generic adapter (models/vlm_generic.py: one run of image
 # tokens per image, its count known from the image alone) does not render.
@@ -115,12 +117,6 @@ NO_PROCESSOR = ("mlx-vlm ships no processor for it (it takes whatever its checkp
                 "mlx-vlm, so mlxserve has no layout to follow or to test against")
 AUDIO = NOT_YET.format(what="an omni model (audio and image towers); its image layout (tiles and their tokens) has "
                             "no adapter")
-
-
-def _text_only() -> str:
-    from importlib.metadata import version
-
-    return TEXT_ONLY.format(version=version("mlx-lm"))
 
 
 # mlx-vlm model types mlxserve refuses at load, with why: neither served with images nor a
@@ -204,6 +200,5 @@ VLM_REFUSED: dict[str, str] = {
     "yolo11": DETECTOR,
     "z_image": IMAGE_GENERATOR,
 }
-for _type in ("cohere2_moe", "deepseek_v4", "flint", "hrm_text", "hy_v4", "k2_horizon", "klear", "kolibri1",
-              "limite", "longcat_flash_sparse", "minimax_m3", "qwen3_5_moe_text", "qwen3_5_text", "xing4_0", "z1t"):
-    VLM_REFUSED[_type] = _text_only()
+# mlx-vlm's other text-only packages mlx-lm lacks are served through mlx-vlm's own classes
+# (models/vlm_text.py, tests/test_vlm_text.py).
