@@ -299,13 +299,14 @@ PATCHES = {"deepseek_v4": _deepseek_v4_freqs_evaluated, "hy_v4": _hy_v4_indexer_
 SLIDING = ["sliding_attention", "full_attention"]
 OVERRIDES: dict[str, dict] = {
     # A local (sliding) layer and a compressed one (4 tokens a pooled key, its sparse indexer); one
-    # layer routed by token hash.
+    # layer routed by token hash; 3 of its hyper-connections' normalising passes (20: the same code).
     "deepseek_v4": {"compress_ratios": [0, 4], "o_groups": 2, "num_hash_layers": 1, "index_block": 8,
-                    "index_keep": 4},
+                    "index_keep": 4, "hc_sinkhorn_iters": 3},
     # Its H and L stacks, each run twice a pass (8 cache layers); causal (see REFUSED_CONFIGS).
     "hrm_text": {"L_cycles": 1, "prefix_lm": False},
     "hy_v4": {"indexer_types": ["full", "shared"]},  # a layer with its own indexer, one reusing its picks
     "kolibri1": {"layer_types": SLIDING},
+    "xing4_0": {"hc_sinkhorn_iters": 3},  # (its hyper-connections' normalising passes: 20, the same code)
     # Rotary over 8 of a head's 16 dims; layer 1 global (no window), value embeddings in it, mixing
     # the embeddings' and layer 0's outputs (MUDD); its sigmoid head's logits not all 0 (a = 0 unset).
     "limite": {"rope_n_pairs": 4, "global_layers": [1], "ve_layers": [1], "ve_dim": 16, "xsa_layers": [0, 1],
