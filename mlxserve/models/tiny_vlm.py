@@ -299,6 +299,12 @@ OVERRIDES: dict[str, dict] = {
                              "projector_hidden_size": 2 * HIDDEN, "text_config": {"hybrid_override_pattern": "M*M-"}},
     # Its text settings are the config's own (no text_config); the image token its tokenizer has, added;
     # mlx-vlm's -200 index; a small audio encoder (built whatever the request).
+    # GLM-5 Next: NoPE attention with as many KV heads as query heads; a linear-attention layer, then a sparse one
+    # whose indexer picks 2 pools of 4 keys (fewer than a prompt's, so its PoolingCache decides what is attended).
+    "glm5_next": {"text_config": {"num_key_value_heads": 4, "qk_rope_head_dim": 0, "num_hidden_layers": 2,
+                                  "layer_types": ["linear_attention", "deepseek_sparse_attention"],
+                                  "index_topk": 8, "index_kpool": 4, "linear_head_dim": 16, "linear_num_heads": 4},
+                  "vision_config": {"projection_intermediate_size": 64}},
     # PaliGemma's prompt as mlx-vlm makes it (models/vlm_prefix.py; BOS after the image where a tokenizer has
     # one); 96 px images, 36 tokens.
     "paligemma": {"vision_config": {"image_size": 96}, "chat_template": PALIGEMMA_TEMPLATE},

@@ -85,7 +85,21 @@ class TextModel:
         made = language_model.make_cache() if hasattr(language_model, "make_cache") else None
         if made is None:
             made = [None] * len(language_model.layers)
-        self._template = [_cache_kind(c, type(language_model).__module__) for c in made]
+        try:
+            self._template = [_cache_kind(c, type(language_model).__module__) for c in made]
+            self.own_cache_classes = []
+        except ValueError:
+            # A class mlx-lm has no copy of (GLM-5 Next's PoolingCache): every layer keeps mlx-vlm's own
+            # classes, which work together; the engine then runs the model one request at a time and
+            # uncached (families.unbatchable_layers reads own_cache_classes), as models/vlm_text.py does.
+            from mlxserve.models.vlm_text import _unmapped
+
+            self._template = None
+            self.own_cache_classes = sorted({name for c in made for name in _unmapped(c)})
+        if self._template is None:
+            self.n_layers, self.offset_index = len(made), 0
+            self.positions_last = False
+            return
         if any("ArraysCache" in _leaf_kinds(kind) for kind in self._template):
             add_recurrent_cache_methods()
         # Layer caches: fewer than layers when the last layers share earlier KV (Gemma 4).
@@ -106,7 +120,7 @@ class TextModel:
         # them into batched caches, and the prefix cache knows how to store them.
         from mlxserve.cache.layers import PositionState
 
-        caches = [_make_cache(kind) for kind in self._template]
+        caches = self.lm.make_cache() if self._template is None else [_make_cache(kind) for kind in self._template]
         if self.mrope:
             caches.append(PositionState())
         return caches

@@ -131,10 +131,6 @@ VLM_REFUSED: dict[str, str] = {
     "diffusion_gemma": DIFFUSION_LM,
     "falcon_perception": DETECTOR,
     "florence2": ENCODER_DECODER,
-    "glm5_next": ("its sparse attention's indexer pools keys over windows of index_kpool tokens into mlx-vlm's "
-                  "PoolingCache (a growing pool and the part-filled last window, per row): neither keys and values a "
-                  "token nor a fixed-size recurrent state, so the prefix cache's layer kinds (cache/layers.py) cannot "
-                  "cut it into blocks, and mlx-lm, whose cache classes the engine batches, has no class of it"),
     "llmjpvl": NO_PROCESSOR,
     "mllama": ("cross-attention to the image (Llama 3.2 Vision): image states sit beside the prompt, not in it "
                "as token embeddings, so cached blocks cannot hold them"),

@@ -125,6 +125,13 @@ FAMILIES = {
     # GOT-OCR 2.0: one square tower input, its image tags' ids in the config (<img>, </img>, <imgpad>).
     "got": Family("got", ("im_start_token", "im_end_token"), image_token=("im_patch_token",)),
     "glm4v_moe": GLM4V,
+    # GLM-5 Next: a patch grid between its image marks; its sparse attention's PoolingCache keeps mlx-vlm's own
+    # caches, so it runs one request at a time, uncached (models/vlm.py TextModel).
+    "glm5_next": Family("mlx_vlm.models.glm5_next.processing:Glm5NextImageProcessor",
+                        ("image_start_token_id", "image_end_token_id"),
+                        tiny_preprocessor={"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2,
+                                           "min_image_tokens": 4, "max_image_tokens": 16,
+                                           "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}),
     "glm_ocr": Family("Glm4vImageProcessorPil", ("image_start_token_id", "image_end_token_id"),
                       tiny_preprocessor=QWEN_TINY),
     # dots.ocr: its template's image marks are plain text, not ids in its config.
