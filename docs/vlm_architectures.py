@@ -15,6 +15,7 @@ from mlxserve.engine.capabilities import capabilities
 from mlxserve.models.load import load
 from mlxserve.models.tiny_vlm import tiny_vlm_config
 from mlxserve.models.vlm_architectures import is_vlm, state, vlm_packages
+from mlxserve.models.vlm_text import REFUSED_CONFIGS
 
 
 def served(model_type: str) -> dict:
@@ -68,12 +69,14 @@ def others() -> str:
         elif kind == "vlm text":
             s = served_text(package)
             kinds = ", ".join(f"{n} {k}" for k, n in s["layer_kinds"].items())
+            refused = REFUSED_CONFIGS.get(package)
+            refused_configs = [f"refused at load as {refused[1]}"] if refused else []
             own.append(f"| `{package}` | {kinds} | {yes(s['batches'])} | {yes(s['caches'])} | "
-                       f"{yes(s['survives_restart'])} | {'; '.join(s['limits'])} |")
+                       f"{yes(s['survives_restart'])} | {'; '.join(s['limits'] + refused_configs)} |")
         else:
             refused.append(f"- `{package}`: {detail}")
-    own_table = "\n".join(["| model type | cache layers (tiny config) | batches | prefix cache | after a restart | notes |",
-                           "|---|---|---|---|---|---|", *own])
+    header = "| model type | cache layers (tiny config) | batches | prefix cache | after a restart | notes |"
+    own_table = "\n".join([header, "|---|---|---|---|---|---|", *own])
     return (f"Served as text through mlx-lm (the table above): {', '.join(text)}.\n\n"
             "Served as text through mlx-vlm's own model classes (`mlxserve/models/vlm_text.py`: text models "
             "mlx-lm does not have), each tested as mlx-lm's types are on a 2-layer tiny config built from its "
