@@ -34,6 +34,7 @@ TYPES = sorted({*ADAPTERS, *FAMILIES})
 # and in /v1/models. A type that starts batching or caching fails, so this cannot go stale.
 LIMITED: dict[str, tuple[bool, bool]] = {  # model type -> (batches, caches)
     "glm5_next": (False, False),  # its PoolingCache: mlx-vlm's own caches (models/vlm.py TextModel)
+    "qwen4_exp": (False, False),  # its QSAKVCache, as glm5_next's PoolingCache
 }
 # Whose whole prompt attends both ways (PaliGemma's prefix): a cached block serves the same prompt only,
 # so b, parting from a after the image, hits none of a's blocks (a repeat still hits all but its last token).

@@ -305,6 +305,8 @@ OVERRIDES: dict[str, dict] = {
                                   "layer_types": ["linear_attention", "deepseek_sparse_attention"],
                                   "index_topk": 8, "index_kpool": 4, "linear_head_dim": 16, "linear_num_heads": 4},
                   "vision_config": {"projection_intermediate_size": 64}},
+    # Qwen4-Exp: its QSA indexer keeps 16 of a prompt's keys (fewer than a prompt's: the selection decides).
+    "qwen4_exp": {"text_config": {"indexer_budget": 16, "indexer_head_dim": 16}},
     # PaliGemma's prompt as mlx-vlm makes it (models/vlm_prefix.py; BOS after the image where a tokenizer has
     # one); 96 px images, 36 tokens.
     "paligemma": {"vision_config": {"image_size": 96}, "chat_template": PALIGEMMA_TEMPLATE},

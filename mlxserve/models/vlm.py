@@ -96,9 +96,9 @@ class TextModel:
 
             self._template = None
             self.own_cache_classes = sorted({name for c in made for name in _unmapped(c)})
-        if self._template is None:
-            self.n_layers, self.offset_index = len(made), 0
-            self.positions_last = False
+        if self._template is None:  # the offset is read off the first cache that counts tokens
+            self.n_layers, self.positions_last = len(made), False
+            self.offset_index = next((i for i, c in enumerate(made) if isinstance(getattr(c, "offset", None), int)), 0)
             return
         if any("ArraysCache" in _leaf_kinds(kind) for kind in self._template):
             add_recurrent_cache_methods()

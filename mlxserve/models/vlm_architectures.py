@@ -140,10 +140,6 @@ VLM_REFUSED: dict[str, str] = {
                     "batches plain logits, and a prefix-cache hit skips the pass that builds that state"),
     "nemotron_parse": ENCODER_DECODER,
     "qwen3_vl_embedding": EMBEDDING,
-    "qwen4_exp": ("its attention layers keep, beside keys and values, the indexer's unprojected keys and their "
-                  "multimodal positions a token (mlx-vlm's QSAKVCache): the prefix cache's layer kinds "
-                  "(cache/layers.py) store keys and values alone, so cached blocks would come back without them, and "
-                  "mlx-lm, whose cache classes the engine batches, has no class of it"),
     "sam3": DETECTOR,
     "sam3_1": DETECTOR,
     "unlimited_ocr": ("its language model's cache is a class of its own (RingSlidingKVCache: the whole prompt kept, "

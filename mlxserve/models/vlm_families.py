@@ -139,6 +139,9 @@ FAMILIES = {
     "cohere_compass": Family("cohere_compass", ("vision_start_token_id", "vision_end_token_id"),
                              tiny_preprocessor=QWEN_TINY | {"min_pixels": 1024, "max_pixels": 16384}),
     "dots_ocr": Family("Qwen2VLImageProcessorPil", ("<|img|>", "<|endofimg|>"), tiny_preprocessor=QWEN_TINY),
+    # Qwen4-Exp: Qwen3.5's image layout; its QSA attention keeps mlx-vlm's QSAKVCache (keys, values and the
+    # indexer's keys and positions a token), so it runs one request at a time, uncached (models/vlm.py TextModel).
+    "qwen4_exp": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY),
     "indic_ocr": QWEN3,  # Qwen3.5 with an Indic vocabulary
     # MiMo-V2.6 (omni: its audio tower is not served): Qwen2.5-VL's image layout, one (1, h, w) grid an image.
     # MiniCPM-o (omni: its audio tower is not served) as mlx-vlm's processor renders an image: its
