@@ -142,9 +142,11 @@ VLM_REFUSED: dict[str, str] = {
     "qwen3_vl_embedding": EMBEDDING,
     "sam3": DETECTOR,
     "sam3_1": DETECTOR,
-    "unlimited_ocr": ("its language model's cache is a class of its own (RingSlidingKVCache: the whole prompt kept, "
-                      "generated tokens in a ring of the last window_size), which mlx-lm cannot batch and the prefix "
-                      "cache cannot hold"),
+    "unlimited_ocr": ("its language model's RingSlidingKVCache keeps the prompt whole and generated tokens in a ring "
+                      "of the last window_size, the ring starting at the cache's first one-token pass: mlx-vlm "
+                      "prefills a prompt in one pass, but the engine's last prompt pass is one token for a prompt one "
+                      "past a multiple of the prefill chunk, which would start the ring on the prompt's last token "
+                      "and, window_size tokens later, drop it from attention (other tokens than mlx-vlm's)"),
     "youtu_vl": NO_PROCESSOR,
     "bert": ENCODER,
     "bonsai": IMAGE_GENERATOR,
