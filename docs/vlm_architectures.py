@@ -69,8 +69,8 @@ def others() -> str:
         elif kind == "vlm text":
             s = served_text(package)
             kinds = ", ".join(f"{n} {k}" for k, n in s["layer_kinds"].items())
-            refused = REFUSED_CONFIGS.get(package)
-            refused_configs = [f"refused at load as {refused[1]}"] if refused else []
+            config_refusal = REFUSED_CONFIGS.get(package)
+            refused_configs = [f"refused at load as {config_refusal[1]}"] if config_refusal else []
             own.append(f"| `{package}` | {kinds} | {yes(s['batches'])} | {yes(s['caches'])} | "
                        f"{yes(s['survives_restart'])} | {'; '.join(s['limits'] + refused_configs)} |")
         else:
