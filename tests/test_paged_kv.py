@@ -1,4 +1,4 @@
-"""Paged KV (mlxserve/cache/paged.py) under mlx-lm's BatchGenerator: the same greedy tokens as its
+"""Paged KV (mlxserve/cache/paged.py, paged_batch.py) under mlx-lm's BatchGenerator: the same greedy tokens as its
 own batch caches, rows holding only the blocks their tokens fill, every block given back.
 
 The engine-level checks (cache hits, batches, --kv-layout paged) are tests/test_prefix_cache.py's
@@ -7,7 +7,7 @@ and tests/test_families.py's, parametrized over the layout."""
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxserve.cache import paged
+from mlxserve.cache import paged, paged_batch
 from mlxserve.cache.layers import layer_specs
 from mlxserve.engine import runner  # noqa: F401 - installs mlxserve's mlx-lm fixes, as the engine does
 from parity import prompt_of
@@ -20,7 +20,7 @@ def generate(model, prompts, pool=None, max_tokens=6, watch=None):
     gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=3, prefill_step_size=16)
     caches = [make_prompt_cache(model) for _ in prompts]
     if pool is not None:
-        caches = [pool.adopt(c) for c in caches]
+        caches = [paged_batch.adopt(pool, c) for c in caches]
     uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts), caches=caches)
     out = {u: [] for u in uids}
     while len(gen._generation_batch) or len(gen._prompt_batch) or gen._unprocessed_sequences:
@@ -37,16 +37,16 @@ def test_batch_gives_the_same_tokens_and_rows_hold_their_own_blocks(tiny, monkey
     prompts = [prompt_of(n, seed) for seed, n in enumerate([37, 5, 61, 18, 26])]  # 5 rows, 3 a prefill batch
     reference = generate(model, prompts)
 
-    paged.install()
+    paged_batch.install()
     attended = []
-    monkeypatch.setattr(paged, "paged_attention", lambda q, *a, _real=paged.paged_attention, **k:
+    monkeypatch.setattr(paged_batch, "paged_attention", lambda q, *a, _real=paged_batch.paged_attention, **k:
                         attended.append(q.shape[2]) or _real(q, *a, **k))
-    pool = paged.KVBlocks(BLOCK)
+    pool = paged.KVBlocks(BLOCK, paged.paged_layers(make_prompt_cache(model)))
     held = []
 
     def watch(gen):
         for batch in (gen._prompt_batch, gen._generation_batch):
-            layer = next((c for c in batch.prompt_cache if isinstance(c, paged.PagedBatchKVCache)), None)
+            layer = next((c for c in batch.prompt_cache if isinstance(c, paged_batch.PagedBatchKVCache)), None)
             if layer is not None:
                 # Each row holds the blocks its own tokens fill, none for the batch's padding.
                 assert [len(t) for t in layer.rows.tables] == [-(-n // BLOCK) for n in layer.rows.lengths]
@@ -57,3 +57,38 @@ def test_batch_gives_the_same_tokens_and_rows_hold_their_own_blocks(tiny, monkey
     assert 1 in attended and max(attended) > 1  # decode steps and prefill chunks read the blocks
     assert max(held) > 0 and pool.used_blocks == 0  # every finished row gave its blocks back
 
+
+
+def test_requests_sharing_a_long_prefix_hold_its_kv_once(tiny):
+    """Issue 35's memory goal: four requests sharing an 8k-token prefix hold its KV once. The first
+    request's blocks stay in the pool as the prefix cache's (no copy); the four that follow, run
+    together, put them in their tables by reference, each adding only blocks of its own tokens."""
+    import asyncio
+
+    from mlxserve.config import EngineConfig
+    from mlxserve.engine.engine import AsyncEngine
+    from parity import greedy, run
+
+    bs, shared = 256, prompt_of(8192, 1)
+    prompts = [shared + prompt_of(40, 10 + i) for i in range(5)]
+    engine = AsyncEngine(tiny("llama-tiny"), EngineConfig(kv_layout="paged", block_size=bs, prefill_chunk_size=2048,
+                                                          max_model_len=8400, warmup=0)).start()
+    try:
+        (_, cold), = run(engine, prompts[:1], greedy(8))  # alone: the solo path, its blocks stored in the pool
+        hits = run(engine, prompts[1:], greedy(8))  # together: the batch
+        stats = asyncio.run(engine.cache_stats())["paged_kv"]
+    finally:
+        engine.stop()
+    assert cold == 0 and [n for _, n in hits] == [8192] * 4
+    one_request = -(-(8192 + 40 + 8) // bs) * stats["block_bytes"]  # its prompt and output, alone
+    assert stats["peak_bytes"] <= 1.25 * one_request, (stats, one_request)
+
+
+def test_paged_refuses_quantized_kv(tiny):
+    import pytest
+
+    from mlxserve.config import EngineConfig
+    from mlxserve.engine.engine import AsyncEngine, EngineDeadError
+
+    with pytest.raises(EngineDeadError, match="--kv-layout paged takes text models without --kv-bits"):
+        AsyncEngine(tiny("llama-tiny"), EngineConfig(kv_layout="paged", kv_bits=8, warmup=0)).start()

@@ -42,7 +42,8 @@ from mlx_lm.models.cache import (
 
 from mlxserve.cache import chunked
 from mlxserve.cache.chunked import BatchChunkedKVCache
-from mlxserve.cache.paged import PagedBatchKVCache
+from mlxserve.cache.paged import PagedRow
+from mlxserve.cache.paged_batch import PagedBatchKVCache
 from mlxserve.cache.payload import KV, Nested, Payload, QuantizedKV, State, payload_nbytes  # noqa: F401 - re-exported
 from mlxserve.cache.quantized import BatchQuantizedKVCache
 from mlxserve.cache.quantized import QuantizedKVCache as BatchableQuantizedKVCache
@@ -89,7 +90,7 @@ def layer_spec(c):
     # Exact classes first: a subclass may keep state these functions don't know.
     if isinstance(c, PositionState):
         return ("positions",)
-    if isinstance(c, PagedBatchKVCache):
+    if isinstance(c, (PagedBatchKVCache, PagedRow)):
         return ("full",)
     if isinstance(c, (ChunkedKVCache, BatchChunkedKVCache)):  # before BatchKVCache, its base
         return ("chunk", c.chunk_size)
@@ -260,8 +261,7 @@ def _take_kv(c, rows: slice, runs):
 
 
 def _stackable(c) -> bool:
-    return type(c) in (KVCache, BatchKVCache, QuantizedKVCache, BatchableQuantizedKVCache, BatchQuantizedKVCache,
-                       PagedBatchKVCache)
+    return type(c) in (KVCache, BatchKVCache, QuantizedKVCache, BatchableQuantizedKVCache, BatchQuantizedKVCache)
 
 
 def _stacked(entries: list, cache_layers) -> Payload:
@@ -304,7 +304,7 @@ def _offsets(cache_layers) -> list[int]:
     for c in cache_layers:
         if isinstance(c, CacheList):
             out += _offsets(c.caches)
-        elif isinstance(c, (KVCache, QuantizedKVCache, RotatingKVCache, ChunkedKVCache)):
+        elif isinstance(c, (KVCache, QuantizedKVCache, RotatingKVCache, ChunkedKVCache, PagedRow)):
             out.append(c.offset)
     return out
 
@@ -312,6 +312,8 @@ def _offsets(cache_layers) -> list[int]:
 def _extract_single(c, start, end, state_here):
     if isinstance(c, PositionState):
         return None
+    if isinstance(c, PagedRow):  # a finished paged row: its blocks by reference
+        return c.pooled(start, end)
     if isinstance(c, ChunkedKVCache):
         runs = chunked.single_runs(c, start, end)
         return None if runs is None else _take_kv(c, slice(0, 1), runs)
@@ -333,21 +335,22 @@ def _extract_single(c, start, end, state_here):
 
 
 def extract_blocks(cache_layers, start_token, block_size, n_blocks, *, num_tokens=None, layers=None,
-                   states=True):
+                   states=True, pool=None):
     """Payloads of blocks [start_token + i*block_size, +block_size), i < n_blocks, of a single-sequence cache.
 
     `num_tokens` is how many tokens the cache holds (default: what its
     attention layers say); a recurrent state goes to the block ending there,
     and only if every attention layer agrees, so a state is never filed under
     the wrong position; `states=False` takes none. `layers` limits extraction
-    to those layer indices. Entries that cannot be extracted are None.
+    to those layer indices. Entries that cannot be extracted are None. `pool`: a paged KV pool
+    (cache/paged.py) that keeps the blocks' full-attention KV instead of payload arrays.
     """
     return _extract_span(cache_layers, _offsets(cache_layers), start_token, block_size, n_blocks,
-                         num_tokens, layers, states, _extract_single)
+                         num_tokens, layers, states, _extract_single, pool)
 
 
 def _extract_span(cache_layers, offsets, start_token, block_size, n_blocks, num_tokens, layers, states,
-                  extract_one):
+                  extract_one, pool=None):
     """Per block, per layer: extract_one(layer cache, start, end, state_here).
 
     Each block gets a stack of its own: blocks sharing one stack copied once for all of them
@@ -357,19 +360,19 @@ def _extract_span(cache_layers, offsets, start_token, block_size, n_blocks, num_
     if num_tokens is None:
         num_tokens = offsets[0] if offsets else None
     state_ok = states and num_tokens is not None and all(o == num_tokens for o in offsets)
-    payloads = []
+    blocks, starts = [], []
     for b in range(n_blocks):
         start = start_token + b * block_size
         end = start + block_size
         state_here = state_ok and end == num_tokens
-        payloads.append(_stacked(
-            [
-                extract_one(c, start, end, state_here) if layers is None or i in layers else None
-                for i, c in enumerate(cache_layers)
-            ],
-            cache_layers,
-        ))
-    return payloads
+        starts.append(start)
+        blocks.append([
+            extract_one(c, start, end, state_here) if layers is None or i in layers else None
+            for i, c in enumerate(cache_layers)
+        ])
+    if pool is not None:
+        blocks = pool.pool_blocks(blocks, starts, cache_layers)
+    return [_stacked(entries, cache_layers) for entries in blocks]
 
 
 # ---- one row of a batched cache ----
@@ -439,8 +442,8 @@ def _batch_offsets(cache_layers, row, seen: dict) -> list[int]:
 
 
 def _extract_row(c, row, start, end, state_here, seen):
-    if isinstance(c, PagedBatchKVCache):  # a block's tokens are in one pool block (views; stacked copies them)
-        return c.block_kv(row, start, end)
+    if isinstance(c, PagedBatchKVCache):  # a block's tokens are a pool block's: by reference
+        return c.pooled(row, start, end)
     if isinstance(c, BatchChunkedKVCache):  # before BatchKVCache, its base
         runs = chunked.row_runs(c, row, start, end, seen)
         return None if runs is None else _take_kv(c, slice(row, row + 1), runs)

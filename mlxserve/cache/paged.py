@@ -1,69 +1,57 @@
-"""Paged KV for full-attention layers (issue 35): the running batch's keys and values live in a
-block pool, and attention reads them through block tables (`paged_attention.py`).
+"""Paged KV (issue 35): the block pool of the running batch's full-attention layers, and what the
+prefix cache keeps in it. The batch's caches over the pool are `paged_batch.py`'s.
 
 - `KVBlocks`, one per runner: per paged layer, keys and values each `(capacity, kv_heads,
-  block_size, head_dim)`. One block id names a token range's KV in every paged layer; ids come
-  from a free list and are counted by reference. The pool grows (doubling) when it runs out.
-- `PagedRows`: the block tables and token counts of one batch's rows (mlx-lm's BatchGenerator
-  has two batches: prompts being prefilled, rows decoding), shared by that batch's paged layers.
-  It holds one reference per (row, block); dropped rows and dropped batches give theirs back.
-- `PagedBatchKVCache`: one paged layer of a batch, what the model and BatchGenerator see.
-  BatchGenerator calls filter/extend/prepare/finalize on every layer and the model calls each
-  layer's update_and_fetch, so the first layer to make a call applies it to the shared rows
-  and the others follow it (`PagedRows.step`). Merging and extending concatenate tables,
-  never KV; a row's new tokens are scattered into its blocks.
-- `PagedKVCache`: a request's own full-attention layer as it joins the batch (`adopt`), still
-  mlx-lm's KVCache (a restored prefix, or the solo path's KV); the batch's merge writes its KV
-  into blocks.
+  block_size, head_dim)`, blocks of the prefix cache's size. One block id names a token range's
+  KV in every paged layer; ids come from a free list and are counted by reference. The pool grows
+  (doubling) when it runs out.
+- `BlockRef`: one reference to a block for as long as a Python object holds it (the prefix
+  cache's entries of the block, a hit's blocks on their way into the batch); given back when it
+  is collected. One per block id at a time (`KVBlocks.ref`).
+- `PooledKV`: a prefix-cache payload entry whose KV stays in the pool (tokens [0, n) of a
+  block). It is a `payload.KV` to every reader, its keys and values slices of the pool, so
+  restores, the disk tier and byte counts read it as any block. A batch row's blocks are stored
+  this way without a copy (during prefill, and when the row finishes: `PagedRow`), and a hit on
+  them puts them in its row's table by reference (`KVBlocks.attachable`).
 
-Which layers: the model's top-level `KVCache` layers (full attention, unquantized). Sliding
-window, chunked, recurrent, quantized and nested (CacheList) layers keep their classes in the
-same batch.
-
-Attention: models import mlx-lm's `scaled_dot_product_attention` from mlx_lm.models.base;
-`install` wraps it where it was imported, so a paged layer's attention runs `paged_attention`
-(its CUDA kernel for decode steps where CUDA is available, else the gather path; prefill chunks
-through the gather path, measured faster). Any other reader of a paged layer's KV (a model that
-passes one layer's KV on to later layers, one that calls MLX's SDPA itself, attention sinks, a
-mask the model made itself) gets what a batch cache gives: `update_and_fetch` returns the rows'
-KV gathered from their blocks into (B, kv_heads, blocks * block_size, head_dim) and `make_mask`
-the mask for that layout. Both are lazy: nothing is computed unless read.
+Which layers are paged: the model's top-level `KVCache` layers (full attention, unquantized).
 """
 
 from __future__ import annotations
 
-import sys
 import weakref
-from collections import OrderedDict
 
 import mlx.core as mx
-import numpy as np
-from mlx_lm.models import base as _base
 from mlx_lm.models.cache import KVCache, _BaseCache
 
-from mlxserve.cache.paged_attention import paged_attention
 from mlxserve.cache.payload import KV
 
-KV_LAYOUTS = ("contiguous", "paged")
+
+def paged_layers(cache: list) -> list[int]:
+    """Indices of the layers of a prompt cache that a paged batch keeps in blocks."""
+    return [i for i, c in enumerate(cache) if type(c) is KVCache]
 
 
 class KVBlocks:
-    """The block pool of the paged layers of one model: arrays per layer, ids shared by all."""
+    """The block pool of one model's paged layers: arrays per layer, ids shared by all."""
 
-    def __init__(self, block_size: int, initial_blocks: int = 64):
+    def __init__(self, block_size: int, layers: list[int], initial_blocks: int = 64):
+        """layers: the prompt cache's indices of the paged layers (`paged_layers`)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         self.block_size = block_size
+        self.layers = list(layers)
         self.initial_blocks = initial_blocks
-        self.keys: list[mx.array | None] = []  # per paged layer, allocated at its first write
-        self.values: list[mx.array | None] = []
+        self.keys: list[mx.array | None] = [None] * len(layers)  # per paged layer, made at its first write
+        self.values: list[mx.array | None] = [None] * len(layers)
         self.capacity = 0
+        self.peak_blocks = 0  # the most blocks in use at once
         self.refs: list[int] = []  # per block id
         self.free: list[int] = []  # ids with no reference; the lowest is handed out first
-        self.num_layers = 0
-        # Merges in progress: BatchGenerator merges a batch's requests layer by layer, and the
-        # paged layers of one merge must share one PagedRows (see PagedBatchKVCache.merge).
-        self._merges: OrderedDict[tuple, tuple] = OrderedDict()
+        self._block_refs = weakref.WeakValueDictionary()  # id -> its BlockRef, while one lives
+        # Merges in progress (paged_batch.merged_rows): BatchGenerator merges a batch's requests
+        # layer by layer, and the paged layers of one merge must share one PagedRows.
+        self.merges = {}
 
     def __deepcopy__(self, memo):
         return self  # a copy of a batch (mlx-lm's split) shares the pool
@@ -80,6 +68,7 @@ class KVBlocks:
         del self.free[-n:]
         for i in ids:
             self.refs[i] = 1
+        self.peak_blocks = max(self.peak_blocks, self.used_blocks)
         return ids
 
     def retain(self, ids) -> None:
@@ -100,6 +89,14 @@ class KVBlocks:
         for table in tables:
             self.release(table)
         tables.clear()
+
+    def ref(self, block_id: int) -> BlockRef:
+        """The block's BlockRef (made, holding a reference, if none lives)."""
+        ref = self._block_refs.get(block_id)
+        if ref is None:
+            ref = BlockRef(self, block_id)
+            self._block_refs[block_id] = ref
+        return ref
 
     def _grow(self, extra: int) -> None:
         new = max(2 * self.capacity, self.capacity + extra, self.initial_blocks)
@@ -123,15 +120,20 @@ class KVBlocks:
                    if a is not None and a.shape[0])
 
     def stats(self) -> dict:
-        per_block = self.block_nbytes()
-        return {"block_size": self.block_size, "capacity_blocks": self.capacity, "used_blocks": self.used_blocks,
-                "used_bytes": self.used_blocks * per_block, "capacity_bytes": self.capacity * per_block}
+        """Blocks in use (by running rows or the prefix cache), of them those the prefix cache's
+        entries hold (a running row may use them too), the most in use at once, and the pool's
+        capacity; bytes of each."""
+        per_block, cached = self.block_nbytes(), len(self._block_refs)
+        return {"block_size": self.block_size, "used_blocks": self.used_blocks, "cached_blocks": cached,
+                "peak_blocks": self.peak_blocks, "capacity_blocks": self.capacity, "block_bytes": per_block,
+                "used_bytes": self.used_blocks * per_block, "cached_bytes": cached * per_block,
+                "peak_bytes": self.peak_blocks * per_block, "capacity_bytes": self.capacity * per_block}
 
     # ---- KV ----
 
     def write(self, layer: int, ids: mx.array, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Scatter tokens into layer `layer`: keys, values (B, kv_heads, L, D); ids, slots (B * L,)
-        row-major, where each token goes."""
+        """Scatter tokens into paged layer `layer`: keys, values (B, kv_heads, L, D); ids, slots
+        (B * L,) row-major, where each token goes."""
         B, heads, L, dk = keys.shape
         dv = values.shape[3]
         if B * L == 0:
@@ -142,376 +144,148 @@ class KVBlocks:
         self.keys[layer][ids, :, slots] = keys.transpose(0, 2, 1, 3).reshape(B * L, heads, dk)
         self.values[layer][ids, :, slots] = values.transpose(0, 2, 1, 3).reshape(B * L, heads, dv)
 
-    # ---- requests joining a batch ----
+    # ---- the prefix cache's blocks ----
 
-    def adopt(self, cache: list) -> list:
-        """A request's cache list with its full-attention layers (mlx-lm's KVCache, exactly)
-        as PagedKVCache, so that BatchGenerator's merge puts them in blocks."""
-        group = _Request()
-        out, layer = [], 0
-        for c in cache:
-            if type(c) is KVCache:
-                out.append(PagedKVCache(self, layer, group, c))
-                layer += 1
-            else:
-                out.append(c)
-        if self.num_layers and layer != self.num_layers:
-            raise ValueError(f"a cache with {layer} full-attention layers, the pool has {self.num_layers}")
-        if not self.num_layers:
-            self.num_layers = layer
-            self.keys += [None] * layer
-            self.values += [None] * layer
+    def attachable(self, blocks, num_tokens: int) -> list[BlockRef]:
+        """The pool blocks that hold the first whole blocks of a prefix-cache match (`blocks`,
+        restoring `num_tokens`): its leading blocks whose paged layers' entries are this pool's
+        whole blocks. A row takes them by reference; the rest (a block the hit ends inside, which
+        the row will write on; blocks with KV of their own, from the solo path or the disk tier)
+        it takes as copies."""
+        bs, refs = self.block_size, []
+        for k, block in enumerate(blocks):
+            if (k + 1) * bs > num_tokens:
+                break
+            entries = [block.payload[i] for i in self.layers]
+            first = entries[0] if entries else None
+            if not (isinstance(first, PooledKV) and first.ref.pool is self and all(
+                    isinstance(e, PooledKV) and e.ref is first.ref and e.layer == j and e.n == bs
+                    for j, e in enumerate(entries))):
+                break
+            refs.append(first.ref)
+        return refs
+
+    def pool_blocks(self, blocks: list[list], starts: list[int], cache_layers: list) -> list[list]:
+        """Blocks' payload entries extracted from a single sequence's cache (block i's tokens from
+        `starts[i]`), their paged layers' KV written into pool blocks (PooledKV) instead of kept as
+        arrays: one scatter per layer for them all. A whole block is noted on the cache (`note`),
+        so that the sequence's row, if it joins a paged batch, takes it by reference: it holds
+        this very KV. Blocks lacking a paged layer, or pooled already, stay as they are."""
+        sizes = {b: self._tokens(entries) for b, entries in enumerate(blocks)}
+        todo = [b for b, n in sizes.items() if 0 < n <= self.block_size]
+        if not todo:
+            return blocks
+        sizes = [sizes[b] for b in todo]
+        ids = self.allocate(len(todo))
+        where = mx.array([i for i, n in zip(ids, sizes) for _ in range(n)], dtype=mx.int32)
+        slots = mx.array([t for n in sizes for t in range(n)], dtype=mx.int32)
+        for j, i in enumerate(self.layers):
+            self.write(j, where, slots, mx.concatenate([blocks[b][i].keys for b in todo], axis=2),
+                       mx.concatenate([blocks[b][i].values for b in todo], axis=2))
+        out, noted = [list(entries) for entries in blocks], {}
+        for b, block, n in zip(todo, ids, sizes):
+            ref = self.ref(block)
+            for j, i in enumerate(self.layers):
+                out[b][i] = PooledKV(ref, j, n)
+            if n == self.block_size and starts[b] % n == 0:
+                noted[starts[b] // n] = ref
+        self.release(ids)  # the BlockRefs' references are the blocks' ones
+        if noted:
+            self.note(cache_layers, noted)
         return out
 
-    def merged_rows(self, caches: list) -> PagedRows:
-        """The rows of a batch merged from `caches` (one PagedKVCache per request, of one layer):
-        made, with blocks for each request's KV, at the first layer's merge; the others' share it."""
-        key = tuple(id(c.group) for c in caches)
-        layer = caches[0].layer
-        entry = self._merges.get(key)
-        if entry is None or layer in entry[2]:
-            lengths = [c.offset if c.keys is not None else 0 for c in caches]
-            rows = PagedRows(self, [self.allocate(-(-n // self.block_size)) for n in lengths], lengths)
-            rows.writes = rows.positions([0] * len(lengths), lengths)
-            entry = ([c.group for c in caches], rows, set())  # the groups keep their ids valid
-            self._merges[key] = entry
-            while len(self._merges) > 8:  # a merge that failed halfway is not waited for
-                self._merges.popitem(last=False)
-        entry[2].add(layer)
-        if len(entry[2]) >= self.num_layers:
-            del self._merges[key]
-        return entry[1]
+    def _tokens(self, entries: list) -> int:
+        """Tokens of a block whose paged layers are all plain KV of one length (0 if not so)."""
+        kv = [entries[i] for i in self.layers]
+        if not kv or any(type(e) is not KV for e in kv):
+            return 0
+        n = kv[0].keys.shape[2]
+        return n if all(e.keys.shape[2] == n == e.values.shape[2] for e in kv) else 0
+
+    def note(self, cache_layers: list, refs: dict) -> None:
+        """Note on a single sequence's cache that its whole blocks {index: BlockRef} hold the same
+        KV as these pool blocks (it stored them, or restored them from there)."""
+        owner = cache_layers[self.layers[0]]
+        if type(owner) is KVCache:
+            owner.__dict__.setdefault("pooled_blocks", {}).update(refs)
+
+    def noted(self, cache_layers: list) -> list[BlockRef]:
+        """The pool blocks noted on a cache (`note`) that hold its first whole blocks, in order."""
+        owner = cache_layers[self.layers[0]] if self.layers else None
+        blocks = getattr(owner, "pooled_blocks", None) or {}
+        refs = []
+        while len(refs) in blocks and (len(refs) + 1) * self.block_size <= owner.offset:
+            refs.append(blocks[len(refs)])
+        return refs
 
 
-class _Request:
-    """Ties the paged layers of one request together (PagedKVCache.group)."""
+class BlockRef:
+    """One reference to a pool block, given back when this object is collected."""
+
+    __slots__ = ("pool", "id", "__weakref__")
+
+    def __init__(self, pool: KVBlocks, block_id: int):
+        pool.retain([block_id])
+        self.pool, self.id = pool, block_id
+        weakref.finalize(self, pool.release, [block_id])
 
 
-class PagedRows:
-    """Block tables and token counts of a batch's rows, shared by its paged layers."""
+class PooledKV(KV):
+    """A payload entry of a paged layer whose KV stays in the pool: tokens [0, n) of block
+    `ref.id`. A `KV` to every reader: its keys and values are slices of the pool's arrays."""
 
-    def __init__(self, pool: KVBlocks, tables: list[list[int]], lengths: list[int]):
-        self.pool = pool
-        self.tables = tables  # one reference per (row, block); the list object is never replaced
-        self.lengths = lengths
-        self.before: list[int] | None = None  # the lengths before the last update
-        self.padding: list[int] | None = None  # a right-padded prefill's, until finalize
-        self.writes = None  # (block ids, slots) of the last update's tokens, for every layer
-        self.ops = 0  # batch-wide calls applied
-        self.last = None  # the last of them
-        self._arrays = None
-        self._offsets = {}
-        self.masks: list = []  # (mask, window) made lately, for the attention wrapper
-        weakref.finalize(self, pool.release_tables, tables)
+    pooled = True  # stacks.stacked leaves it as it is
 
-    def __deepcopy__(self, memo):
-        tables = [list(t) for t in self.tables]
-        for t in tables:
-            self.pool.retain(t)
-        rows = PagedRows(self.pool, tables, list(self.lengths))
-        rows.before, rows.padding, rows.writes = self.before, self.padding, self.writes
-        rows.ops, rows.last = self.ops, self.last
-        return rows
-
-    def step(self, layer: PagedBatchKVCache, op, apply) -> None:
-        """Apply a batch-wide call once: the first paged layer that makes it applies it, the
-        others (each makes every call once, in the same order) follow."""
-        if layer.ops == self.ops:
-            apply()
-            self.ops += 1
-            self.last = op
-            self._arrays = None
-            self._offsets = {}
-        elif layer.ops != self.ops - 1 or self.last != op:
-            raise RuntimeError(f"paged layers out of step: {op!r} after {self.last!r}")
-        layer.ops += 1
-
-    def lengths_for(self, layer: PagedBatchKVCache) -> list[int]:
-        """The token counts as `layer` sees them: before the update it has not made yet."""
-        if layer.ops == self.ops - 1 and self.last is not None and self.last[0] == "update":
-            return self.before
-        return self.lengths
-
-    def offsets(self, layer: PagedBatchKVCache) -> mx.array:
-        lengths = self.lengths_for(layer)
-        key = id(lengths)
-        if key not in self._offsets:
-            self._offsets[key] = mx.array(lengths, dtype=mx.int32)
-        return self._offsets[key]
-
-    def arrays(self) -> tuple[mx.array, mx.array]:
-        """(block tables (B, max blocks) int32, padded with 0; token counts (B,) int32)."""
-        if self._arrays is None:
-            width = max((len(t) for t in self.tables), default=0) or 1
-            table = np.zeros((len(self.tables), width), dtype=np.int32)
-            for r, t in enumerate(self.tables):
-                table[r, :len(t)] = t
-            self._arrays = (mx.array(table), mx.array(self.lengths, dtype=mx.int32))
-        return self._arrays
-
-    def positions(self, starts, ends) -> tuple[mx.array, mx.array]:
-        """(block ids, slots) of tokens [starts[r], ends[r]) of every row, row-major."""
-        bs = self.pool.block_size
-        ids, slots = [], []
-        for table, a, b in zip(self.tables, starts, ends):
-            pos = np.arange(a, b)
-            ids.append(np.asarray(table, dtype=np.int32)[pos // bs] if len(pos) else pos)
-            slots.append(pos % bs)
-        ids = np.concatenate(ids) if ids else np.zeros(0)
-        slots = np.concatenate(slots) if slots else np.zeros(0)
-        return mx.array(ids.astype(np.int32)), mx.array(slots.astype(np.int32))
-
-    # ---- batch-wide calls ----
-
-    def update(self, n: int) -> None:
-        """Room for n more tokens in every row; `writes` says where they go."""
-        bs = self.pool.block_size
-        for table, length in zip(self.tables, self.lengths):
-            table += self.pool.allocate(-(-(length + n) // bs) - len(table))
-        self.before = self.lengths
-        self.lengths = [length + n for length in self.lengths]
-        self.writes = self.positions(self.before, self.lengths)
-
-    def _fit(self) -> None:
-        """Give back the blocks past each row's tokens."""
-        bs = self.pool.block_size
-        for table, length in zip(self.tables, self.lengths):
-            keep = -(-length // bs)
-            if len(table) > keep:
-                self.pool.release(table[keep:])
-                del table[keep:]
-
-    def prepare(self, left_padding=None, lengths=None, right_padding=None) -> None:
-        if left_padding is not None and any(left_padding):
-            raise ValueError("paged rows take no left padding")  # mlx-lm 0.32 pads prompts on the right
-        if right_padding is not None and max(right_padding) > 0:
-            self.padding = list(right_padding)
-
-    def finalize(self) -> None:
-        """After a right-padded prefill: each row ends at its own last token (the padding's
-        positions, written past it, are overwritten by its next tokens)."""
-        if self.padding is not None:
-            self.lengths = [n - p for n, p in zip(self.lengths, self.padding)]
-            self.padding = None
-            self._fit()
-
-    def filter(self, keep) -> None:
-        kept = set(keep)
-        for r, table in enumerate(self.tables):
-            if r not in kept:
-                self.pool.release(table)
-        self.tables[:] = [self.tables[r] for r in keep]
-        self.lengths = [self.lengths[r] for r in keep]
-
-    def extend(self, other: PagedRows) -> None:
-        for table in other.tables:
-            self.pool.retain(table)
-            self.tables.append(list(table))
-        self.lengths = self.lengths + other.lengths
-
-    def trim(self, n: int) -> None:
-        self.lengths = [max(0, length - n) for length in self.lengths]
-        self._fit()
-
-
-class PagedBatchKVCache(_BaseCache):
-    """A paged full-attention layer of a batch (see the module doc)."""
-
-    def __init__(self, rows: PagedRows, layer: int):
-        self.rows = rows
-        self.layer = layer
-        self.ops = rows.ops  # batch-wide calls this layer has made (PagedRows.step)
+    def __new__(cls, ref: BlockRef, layer: int, n: int):
+        entry = super().__new__(cls, None, None)
+        entry.ref, entry.layer, entry.n = ref, layer, n
+        return entry
 
     @property
-    def pool(self) -> KVBlocks:
-        return self.rows.pool
+    def keys(self) -> mx.array:
+        b = self.ref.id
+        return self.ref.pool.keys[self.layer][b:b + 1, :, :self.n]
 
     @property
-    def offset(self) -> mx.array:
-        """Each row's token count (as mlx-lm's batch caches: an array, one per row)."""
-        return self.rows.offsets(self)
+    def values(self) -> mx.array:
+        b = self.ref.id
+        return self.ref.pool.values[self.layer][b:b + 1, :, :self.n]
 
-    def update_and_fetch(self, keys, values):
-        n = keys.shape[2]
-        self.rows.step(self, ("update", n), lambda: self.rows.update(n))
-        ids, slots = self.rows.writes
-        self.pool.write(self.layer, ids, slots, keys, values)
-        return self.keys_and_values()
 
-    def _gathered(self, pool: mx.array) -> mx.array:
-        table, _ = self.rows.arrays()
-        B, width = table.shape
-        _, heads, bs, dim = pool.shape
-        return pool[table].transpose(0, 2, 1, 3, 4).reshape(B, heads, width * bs, dim)
+def pooled_kv(pool: KVBlocks, layer: int, table: list[int], length: int, start: int, end: int) -> KV | None:
+    """Tokens [start, end) of a row that holds `length` tokens in `table`'s blocks: by reference
+    (PooledKV) where they start a block and fit in it, as the prefix cache's blocks of the pool's
+    size do; else copied out. None if the row holds fewer."""
+    if end > length or start >= end:
+        return None
+    bs = pool.block_size
+    if start % bs == 0 and end - start <= bs:
+        return PooledKV(pool.ref(table[start // bs]), layer, end - start)
+    parts = []
+    for arrays in (pool.keys, pool.values):
+        runs = [arrays[layer][table[b]:table[b] + 1, :, max(start - b * bs, 0):min(end - b * bs, bs)]
+                for b in range(start // bs, (end - 1) // bs + 1)]
+        parts.append(mx.concatenate(runs, axis=2))
+    return KV(*parts)
 
-    def keys_and_values(self):
-        """The rows' KV gathered from their blocks, (B, kv_heads, blocks * block_size, D): each
-        row's tokens from position 0, garbage past its count (`make_mask` masks it)."""
-        return self._gathered(self.pool.keys[self.layer]), self._gathered(self.pool.values[self.layer])
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs):
-        """(B, 1, N, width): the mask over `keys_and_values()` after an update of N tokens (query
-        i of a row holding n tokens sits at position n + i)."""
-        lengths = self.rows.lengths_for(self)
-        bs = self.pool.block_size
-        width = max((-(-(n + N) // bs) for n in lengths), default=1) * bs
-        queries = mx.array(lengths, dtype=mx.int32)[:, None] + mx.arange(N)[None]  # (B, N)
-        keys = mx.arange(width)[None, None]
-        mask = keys <= queries[..., None]
-        if window_size is not None:
-            mask = mask & (keys > queries[..., None] - window_size)
-        mask = mask[:, None]
-        self.rows.masks = [(mask, window_size)] + self.rows.masks[:3]
-        return mask
+class PagedRow(_BaseCache):
+    """One paged layer of a finished batch row, as the prefix cache reads it (mlx-lm hands a
+    finished row's cache out through `extract`): its blocks by reference, no copy."""
 
-    def window_of(self, mask):
-        """(True, window) if `mask` is None, "causal" or one `make_mask` made lately; else (False, None)."""
-        if mask is None or (isinstance(mask, str) and mask == "causal"):
-            return True, None
-        for made, window in self.rows.masks:
-            if made is mask:
-                return True, window
-        return False, None
+    def __init__(self, pool: KVBlocks, layer: int, refs: list[BlockRef], length: int):
+        self.pool, self.layer, self.offset = pool, layer, length
+        self.refs = refs  # the row's blocks, held while it is read
 
-    def attention(self, queries: mx.array, scale: float, window: int | None = None) -> mx.array:
-        """Attention of the last update's queries over the rows' blocks."""
-        table, lengths = self.rows.arrays()
-        kernel = "auto" if queries.shape[2] == 1 else "gather"  # prefill chunks: the gather path (measured)
-        return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], table, lengths,
-                               scale, window=window, kernel=kernel)
-
-    def pageable(self, queries) -> bool:
-        """Whether `paged_attention` takes this layer (keys and values of one shape and the queries' dtype)."""
-        k, v = self.pool.keys[self.layer], self.pool.values[self.layer]
-        return k is not None and k.shape == v.shape and k.dtype == queries.dtype
-
-    # ---- BatchGenerator's calls ----
-
-    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
-        self.rows.step(self, "prepare", lambda: self.rows.prepare(left_padding, lengths, right_padding))
-
-    def finalize(self):
-        self.rows.step(self, "finalize", self.rows.finalize)
-
-    def filter(self, batch_indices):
-        keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
-        self.rows.step(self, ("filter", tuple(keep)), lambda: self.rows.filter(keep))
-
-    def extend(self, other: PagedBatchKVCache):
-        self.rows.step(self, ("extend", id(other.rows)), lambda: self.rows.extend(other.rows))
-
-    def is_trimmable(self):
-        return True
-
-    def trim(self, n):
-        n = min(n, min(self.rows.lengths_for(self), default=0))
-        self.rows.step(self, ("trim", n), lambda: self.rows.trim(n))
-        return n
-
-    def extract(self, idx: int) -> KVCache:
-        """Row `idx` as mlx-lm's single-sequence cache (its KV copied out of the blocks)."""
-        n = self.rows.lengths[idx]
-        cache = KVCache()
-        if n:
-            ids = mx.array(self.rows.tables[idx], dtype=mx.int32)
-            cache.keys, cache.values = (mx.contiguous(self._row(pool, ids)[..., :n, :])
-                                        for pool in (self.pool.keys[self.layer], self.pool.values[self.layer]))
-            cache.offset = n
-        return cache
-
-    @staticmethod
-    def _row(pool: mx.array, ids: mx.array) -> mx.array:
-        _, heads, bs, dim = pool.shape
-        return pool[ids].transpose(1, 0, 2, 3).reshape(1, heads, len(ids) * bs, dim)
-
-    def block_kv(self, row: int, start: int, end: int) -> KV | None:
-        """Tokens [start, end) of a row (None if it holds fewer): views of the pool where they
-        lie in one block, as a prefix-cache block's do (blocks of the same size)."""
-        if end > self.rows.lengths[row] or start >= end:
-            return None
-        bs, table = self.pool.block_size, self.rows.tables[row]
-        parts = []
-        for pool in (self.pool.keys[self.layer], self.pool.values[self.layer]):
-            runs = [pool[table[b]:table[b] + 1, :, max(start - b * bs, 0):min(end - b * bs, bs)]
-                    for b in range(start // bs, (end - 1) // bs + 1)]
-            parts.append(runs[0] if len(runs) == 1 else mx.concatenate(runs, axis=2))
-        return KV(*parts)
-
-    @classmethod
-    def merge(cls, caches):
-        """A batch of requests' caches of one layer (PagedKVCache): their rows' tables, and their
-        KV (a restored prefix, the solo path's) written into the rows' blocks."""
-        for c in caches:
-            if not isinstance(c, PagedKVCache):
-                raise TypeError(f"a paged batch merges PagedKVCache, not {type(c).__name__}")
-        pool = caches[0].pool
-        rows = pool.merged_rows(caches)
-        layer = caches[0].layer
-        full = [c for c in caches if c.keys is not None and c.offset]
-        if full:
-            if [c.offset if c.keys is not None else 0 for c in caches] != rows.lengths:
-                raise ValueError("the layers of a request hold different token counts")
-            keys = mx.concatenate([c.keys[..., :c.offset, :] for c in full], axis=2)
-            values = mx.concatenate([c.values[..., :c.offset, :] for c in full], axis=2)
-            ids, slots = rows.writes
-            pool.write(layer, ids, slots, keys, values)
-        return cls(rows, layer)
+    def pooled(self, start: int, end: int) -> KV | None:
+        return pooled_kv(self.pool, self.layer, [r.id for r in self.refs], self.offset, start, end)
 
     def size(self):
-        return max(self.rows.lengths, default=0)
+        return self.offset
 
     def empty(self):
-        return not any(self.rows.lengths)
-
-    @property
-    def state(self):
-        return [a for a in (self.pool.keys[self.layer], self.pool.values[self.layer]) if a is not None]
-
-    @state.setter
-    def state(self, v):
-        raise ValueError("a paged cache's state lives in its pool")
+        return self.offset == 0
 
     @property
     def nbytes(self):
-        k, v = self.pool.keys[self.layer], self.pool.values[self.layer]
-        if k is None:
-            return 0
-        blocks = len({b for t in self.rows.tables for b in t})
-        return blocks * (k.nbytes + v.nbytes) // k.shape[0]
-
-
-class PagedKVCache(KVCache):
-    """A request's full-attention layer on its way into a paged batch: mlx-lm's KVCache (its
-    arrays, not copied), whose merge makes a PagedBatchKVCache."""
-
-    def __init__(self, pool: KVBlocks, layer: int, group: _Request, cache: KVCache):
-        super().__init__()
-        self.keys, self.values, self.offset = cache.keys, cache.values, cache.offset
-        self.pool, self.layer, self.group = pool, layer, group
-
-    @classmethod
-    def merge(cls, caches):
-        return PagedBatchKVCache.merge(caches)
-
-
-# ---- attention ----
-
-_sdpa = _base.scaled_dot_product_attention
-
-
-def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
-    """mlx-lm's, but a paged layer's attention reads its blocks (`paged_attention`)."""
-    if isinstance(cache, PagedBatchKVCache) and sinks is None and cache.pageable(queries):
-        ours, window = cache.window_of(mask)
-        if ours:
-            return cache.attention(queries, scale, window)
-    return _sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-
-def install() -> None:
-    """Wrap mlx-lm's `scaled_dot_product_attention` in the modules that imported it (models
-    import it by name) and in mlx_lm.models.base, which later imports copy. Idempotent."""
-    for name, module in list(sys.modules.items()):
-        if module is not None and name.startswith(("mlx_lm.", "mlxserve.")) and \
-                getattr(module, "scaled_dot_product_attention", None) is _sdpa:
-            module.scaled_dot_product_attention = scaled_dot_product_attention
+        return len(self.refs) * self.pool.block_nbytes() // max(len(self.pool.layers), 1)

@@ -81,6 +81,9 @@ class PrefixCache:
         self.pool = pool
         self.checkpoint_interval = checkpoint_interval
         self.disk = disk  # a DiskTier (cache/disk.py), or None
+        # A paged batch's block pool (cache/paged.py), set by its runner: blocks stored from a single
+        # sequence keep their full-attention KV there too, so that the batch takes them by reference.
+        self.kv_pool = None
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.disabled: str | None = None  # why this model cannot be cached, if it cannot
@@ -402,8 +405,9 @@ class PrefixCache:
                 return p
         return 0
 
-    def restore(self, model, match: PrefixMatch):
-        """A fresh prompt cache holding `match.num_tokens` tokens, or None (run uncached)."""
+    def restore(self, model, match: PrefixMatch, full_from: int = 0):
+        """A fresh prompt cache holding `match.num_tokens` tokens, or None (run uncached).
+        `full_from`: restore_cache's (its full-attention layers only from that token)."""
         if match.num_tokens <= 0 or not match.blocks:
             return None
         try:
@@ -411,7 +415,7 @@ class PrefixCache:
             blocks = match.blocks
             state_end = (len(blocks) - 1) * self.block_size + blocks[-1].num_tokens  # a tail ends early
             caches = restore_cache(model, payloads, match.num_tokens, block_size=self.block_size,
-                                   state_end=state_end)
+                                   state_end=state_end, full_from=full_from)
             mx.eval([v for _, v in tree_flatten([c.state for c in caches]) if isinstance(v, mx.array)])
             return caches
         except Exception as e:  # noqa: BLE001
@@ -524,7 +528,8 @@ class PrefixCache:
 
         def extract(start, n, only=None, size=bs, states=state):
             if row is None:
-                payloads = extract_blocks(layers, start, size, n, num_tokens=upto_tokens, layers=only, states=states)
+                payloads = extract_blocks(layers, start, size, n, num_tokens=upto_tokens, layers=only, states=states,
+                                          pool=self.kv_pool)
             else:
                 payloads = extract_blocks_from_batch(layers, row, start, size, n, num_tokens=upto_tokens,
                                                      layers=only, states=states)

@@ -62,15 +62,20 @@ def _gather(entries, block_size, ranges, pick):
     return mx.concatenate(parts, axis=2)
 
 
-def _restore_layer(t, entries, num_tokens, block_size, state_end):
+def _restore_layer(t, entries, num_tokens, block_size, state_end, full_from=0):
     if isinstance(t, PositionState):
         return PositionState()
     if isinstance(t, (KVCache, QuantizedKVCache)):
-        kinds = {type(e) for e in entries}
+        kinds = {KV if isinstance(e, KV) else type(e) for e in entries}  # KV in the paged pool too
         if kinds == {KV}:
             c = KVCache()
-            c.keys = _gather(entries, block_size, [(0, num_tokens)], lambda e: e.keys)
-            c.values = _gather(entries, block_size, [(0, num_tokens)], lambda e: e.values)
+            if full_from:  # for a paged batch row that takes the blocks before it by reference
+                c.paged_from = full_from
+            if full_from < num_tokens:
+                c.keys = _gather(entries, block_size, [(full_from, num_tokens)], lambda e: e.keys)
+                c.values = _gather(entries, block_size, [(full_from, num_tokens)], lambda e: e.values)
+            else:  # every token by reference: no KV of its own
+                c.keys, c.values = entries[0].keys[..., :0, :], entries[0].values[..., :0, :]
         elif kinds == {QuantizedKV}:
             c = BatchableQuantizedKVCache(group_size=entries[0].group_size, bits=entries[0].bits)
             r = [(0, num_tokens)]
@@ -133,7 +138,7 @@ def _restore_layer(t, entries, num_tokens, block_size, state_end):
 
 
 def restore_cache(model, payloads, num_tokens: int, *, block_size: int | None = None,
-                  state_end: int | None = None) -> list:
+                  state_end: int | None = None, full_from: int = 0) -> list:
     """A fresh single-sequence prompt cache (as `make_prompt_cache(model)` gives)
     holding exactly the first `num_tokens` tokens' state.
 
@@ -144,6 +149,9 @@ def restore_cache(model, payloads, num_tokens: int, *, block_size: int | None = 
     be `num_tokens`.
     The result works for a `generate_step`-style loop and for
     `BatchGenerator.insert(caches=[...])` (its `merge` takes these classes).
+    `full_from`: the full-attention layers (mlx-lm's KVCache) hold only the tokens from there
+    (`paged_from` says so), for a paged batch's row that takes the blocks before by reference
+    (cache/paged_batch.py); such a cache serves nothing else.
     """
     template = make_prompt_cache(model)
     if num_tokens <= 0:
@@ -158,10 +166,10 @@ def restore_cache(model, payloads, num_tokens: int, *, block_size: int | None = 
     for p in payloads:
         if len(p) != len(template):
             raise ValueError(f"payload has {len(p)} layers, the model {len(template)}")
-    stacked = _restore_stacked(payloads, num_tokens)
+    stacked = {} if full_from else _restore_stacked(payloads, num_tokens)
     return [
         stacked[i] if i in stacked else _restore_layer(t, [p[i] for p in payloads], num_tokens, block_size,
-                                                       state_end)
+                                                       state_end, full_from if type(t) is KVCache else 0)
         for i, t in enumerate(template)
     ]
 

@@ -40,7 +40,8 @@ def stacked(entries: list, stackable) -> Payload:
     """A Payload whose full-attention KV (views into the cache) at layers `stackable` is stacked
     copies (or, where those layers differ in layout, a copy each)."""
     payload = Payload(entries)
-    full = [i for i in stackable if isinstance(entries[i], (KV, QuantizedKV))]
+    # Not the entries whose KV stays in a paged pool (paged.PooledKV): no copy of them is made.
+    full = [i for i in stackable if isinstance(entries[i], (KV, QuantizedKV)) and not getattr(entries[i], "pooled", False)]
     if len(full) < 2 or len({_layout(entries[i]) for i in full}) != 1 or not _keys_like_values(entries[full[0]]):
         for i in full:
             payload[i] = _copied(entries[i])

@@ -372,11 +372,11 @@ class AsyncEngine:
 
         cfg = self.config
         dequantize_kv = dequantized_attention(cfg.kv_attention)
-        if cfg.kv_bits:
-            check_kv_bits(self.loaded.model, cfg.kv_bits, dequantize=dequantize_kv)
         if cfg.kv_layout == "paged" and (cfg.kv_bits or self.loaded.vision is not None):
             raise ValueError("--kv-layout paged takes text models without --kv-bits (paged KV is not "
                              "quantized, and vision-language models' attention is mlx-vlm's own)")
+        if cfg.kv_bits:
+            check_kv_bits(self.loaded.model, cfg.kv_bits, dequantize=dequantize_kv)
         dense_prefill(self.loaded, cfg.dense_from)
         self.prefix_cache = None
         if cfg.prefix_cache:

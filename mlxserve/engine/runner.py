@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 from mlx_lm.models.cache import trim_prompt_cache
 
-from mlxserve.cache import chunked, paged
+from mlxserve.cache import chunked, paged, paged_batch
 from mlxserve.cache.quantized import make_cache, set_dequantize
 from mlxserve.engine import grammar as constrained
 from mlxserve.engine.compiled import CompiledDecode, compilable
@@ -306,10 +306,13 @@ class Runner:
         # prefix cache's size; requests still prefill and decode alone in mlx-lm's KVCache.
         self.kv_blocks = None
         if kv_layout == "paged":
-            paged.install()
-            self.kv_blocks = paged.KVBlocks(prefix_cache.block_size if prefix_cache is not None else block_size)
+            paged_batch.install()
+            self.kv_blocks = paged.KVBlocks(prefix_cache.block_size if prefix_cache is not None else block_size,
+                                            paged.paged_layers(make_cache(model, None)))
+            if prefix_cache is not None:  # the blocks it stores from the solo path go into the pool too
+                prefix_cache.kv_pool = self.kv_blocks
         elif kv_layout != "contiguous":
-            raise ValueError(f"kv_layout must be one of {paged.KV_LAYOUTS}, not {kv_layout!r}")
+            raise ValueError(f"kv_layout must be one of {paged_batch.KV_LAYOUTS}, not {kv_layout!r}")
         self.compiled = CompiledDecode(model) if compile_decode else None  # the solo path's one-token step
         self.speculation = speculation  # engine/speculative.py's Speculation, for the solo path, or None
         self.kv_bits = kv_bits  # quantized KV (full-attention layers), or None
@@ -348,16 +351,24 @@ class Runner:
     def __len__(self) -> int:
         return len(self.batch) + len(self.media) + len(self.scoring) + (self.solo is not None)
 
-    def _restore_prefix(self, seq: Sequence):
-        """The longest cached prefix of the prompt as a ready cache, or None."""
+    def _restore_prefix(self, seq: Sequence, batch_bound: bool = False):
+        """The longest cached prefix of the prompt as a ready cache, or None. `batch_bound`: the
+        sequence goes into the batch; a paged batch takes the hit's blocks in its pool by
+        reference instead of copies (the rest of the hit is restored as a copy)."""
         pc = self.prefix_cache
         if pc is None:
             return None
         seq.extra_keys = seq.request.block_extra_keys(pc.block_size)
         match = pc.match(seq.request.prompt_token_ids, seq.extra_keys, whole=seq.whole)
         seq.block_hashes = match.hashes
-        cache = pc.restore(self.model, match)
-        pc.release(match)  # the restored cache is a copy
+        pooled = self.kv_blocks.attachable(match.blocks, match.num_tokens) if self.kv_blocks is not None else []
+        cache = pc.restore(self.model, match, full_from=len(pooled) * pc.block_size if batch_bound else 0)
+        pc.release(match)  # the restored cache is a copy; the pooled blocks' references are their own
+        if cache is not None and pooled:
+            if batch_bound:
+                cache = paged_batch.adopt(self.kv_blocks, cache, pooled)
+            else:  # restored from those blocks: if it joins the batch later, it takes them
+                self.kv_blocks.note(cache, dict(enumerate(pooled)))
         if cache is not None:
             seq.cached_tokens = match.num_tokens
             set_dequantize(cache, self.dequantize_kv)
@@ -375,7 +386,7 @@ class Runner:
                                              make_cache(self.model, self.kv_bits, dequantize=self.dequantize_kv),
                                              self.prefix_cache))
             return []
-        cache = self._restore_prefix(seq)
+        cache = self._restore_prefix(seq, batch_bound=not seq.request.images and not self._solo_free())
         if cache is None:
             cache = make_cache(self.model, self.kv_bits, dequantize=self.dequantize_kv)
         if seq.request.images:
@@ -391,6 +402,8 @@ class Runner:
     def _start(self, seq: Sequence, cache, prefilled: int, prompt_inputs=None) -> list[TokenEvent]:
         """Run a sequence whose first `prefilled` prompt tokens are in `cache`."""
         if self._solo_free():
+            if any(isinstance(c, paged_batch.PagedKVCache) for c in cache):  # part of its KV is in blocks
+                raise RuntimeError("a cache made for the paged batch cannot decode alone")
             spec = self.speculation.for_sequence(seq) if self.speculation is not None else None
             self.solo = SoloDecoder(self.model, seq, self.prefill_chunk_size, cache, self.prefix_cache, prefilled,
                                     prompt_inputs, spec, self.compiled)
@@ -419,8 +432,8 @@ class Runner:
         start = len(in_cache)
         bounds = [0] + [p - start for p in seq.checkpoints if start < p < start + len(prompt)]
         segments = [list(prompt[a:b]) for a, b in zip(bounds, bounds[1:] + [len(prompt)])]
-        if self.kv_blocks is not None:
-            cache = self.kv_blocks.adopt(cache)  # its full-attention KV goes into blocks as the batch merges it
+        if self.kv_blocks is not None:  # its full-attention KV goes into blocks as the batch merges it
+            cache = paged_batch.adopt(self.kv_blocks, cache)
         (uid,) = self.generator.insert_segments(
             [segments],
             max_tokens=[seq.max_tokens - seq.num_generated],
