@@ -14,7 +14,7 @@ from mlxserve.cache.layers import model_specs, spec_kinds
 from mlxserve.models.files import ModelLoadError
 from mlxserve.models.load import load, save_folder
 from mlxserve.models.vlm_architectures import state, vlm_packages
-from mlxserve.models.vlm_text import PREFIX_LM, VLMText, tiny_text_config
+from mlxserve.models.vlm_text import NOT_QUANTIZABLE, PREFIX_LM, VLMText, tiny_text_config
 
 from parity import check_causal, check_served_alike
 
@@ -53,6 +53,13 @@ def test_vlm_text_model_folder_loads_through_mlx_vlm_with_the_same_logits(tmp_pa
     assert isinstance(read.model, VLMText) and read.config["model_type"] == "limite"
     tokens = mx.array([list(range(100, 130))])
     assert mx.array_equal(written.model(tokens), read.model(tokens)).item()
+
+
+def test_limite_is_refused_quantized_with_its_reason():
+    """Limite reads its weight matrices directly: --quantize is refused at load, not a failed request."""
+    with pytest.raises(ModelLoadError) as e:
+        load("limite", load_format="dummy", quantize_bits=4, progress=False)
+    assert NOT_QUANTIZABLE["limite"] in str(e.value) and "\n" not in str(e.value)
 
 
 def test_hrm_text_as_a_prefix_lm_is_refused_at_load_with_its_reason(tmp_path):

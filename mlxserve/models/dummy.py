@@ -227,6 +227,8 @@ def build_dummy(config_or_shape, *, dtype: str | None = None, quantize_bits: int
         weights = model.random_weights(weights)
     model.load_weights(list(weights.items()))
     if quantize_bits:
+        if hasattr(model, "check_quantizable"):  # mlx-vlm's text models (models/vlm_text.py)
+            model.check_quantizable(source)
         group_size = 64
         nn.quantize(
             model,

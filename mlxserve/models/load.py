@@ -287,6 +287,8 @@ def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits, shar
     if dtype is not None and not quantized:
         model.set_dtype(getattr(mx, dtype))
     if quantize_bits and not quantized:
+        if hasattr(model, "check_quantizable"):  # mlx-vlm's text models (models/vlm_text.py)
+            model.check_quantizable(source)
         nn.quantize(
             model,
             group_size=64,

@@ -70,6 +70,14 @@ PREFIX_LM = ("a prefix LM (prefix_lm true): its processor marks the whole prompt
              "its tokens; mlxserve serves text models causally (a config with prefix_lm false is served)")
 REFUSED_CONFIGS = {"hrm_text": (lambda config: config.get("prefix_lm", True), PREFIX_LM)}
 
+# Packages whose code reads its layers' weight matrices directly, so quantized layers (--quantize)
+# would not be used as layers: their first pass fails.
+NOT_QUANTIZABLE = {
+    "limite": ("Limite reads its projections' weight matrices directly (a learned scale folded into each) and "
+               "its head is the embedding's matrix transposed, so quantized layers would not work; serve it "
+               "unquantized"),
+}
+
 
 def check_text_config(config: dict, source: str) -> None:
     """A one-line ModelLoadError for a config of a served type that cannot be served exactly."""
@@ -159,6 +167,15 @@ class VLMText(nn.Module):
 
         return {name: mx.ones_like(w) if w.ndim == 0 and mx.issubdtype(w.dtype, mx.floating) else w
                 for name, w in weights.items()}
+
+    def check_quantizable(self, source: str) -> None:
+        """A one-line ModelLoadError where quantizing this model's layers would break it."""
+        from mlxserve.models.files import ModelLoadError
+        from mlxserve.models.vlm_architectures import package_of
+
+        why = NOT_QUANTIZABLE.get(package_of(self.model_type))
+        if why is not None:
+            raise ModelLoadError(f"{source}: cannot quantize a {self.model_type} model: {why}")
 
     @property
     def layers(self):
