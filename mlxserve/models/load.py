@@ -259,10 +259,12 @@ def load_folder(folder: Path, name: str, source: str, dtype, quantize_bits, shar
 
     from mlxserve.models.architectures import text_model_classes
     from mlxserve.models.vlm_text import is_vlm_text, load_vlm_text
+    from mlxserve.models.vlm_thinker import thinker_view
 
     folder = Path(folder)
     try:
-        config = json.loads((folder / "config.json").read_text())
+        # Qwen3-Omni's thinker's settings where a VLM's are (models/vlm_thinker.py; mlx-vlm reads the file itself).
+        config = thinker_view(json.loads((folder / "config.json").read_text()))
         vlm_text = is_vlm_text(config.get("model_type"))  # mlx-vlm's text-only types mlx-lm lacks
         if not is_vlm_config(config) and not vlm_text:
             text_model_classes(config, source)  # an unknown architecture: say so before reading weights

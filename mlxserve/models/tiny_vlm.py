@@ -100,6 +100,12 @@ def tiny_vlm_config(model_type: str) -> dict:
         if value is not None:
             config[f.name] = value
     _merge(config, OVERRIDES.get(model_type, {}))
+    if "thinker_config" in {f.name for f in dataclasses.fields(module.ModelConfig)}:  # Qwen3-Omni
+        from mlxserve.models.vlm_thinker import tiny_thinker
+
+        for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            config.setdefault(key, token_id(key))
+        config = tiny_thinker(config, _fill_vision(module.AudioConfig) | TINY_AUDIO)
     family = family_of(config)
     config["preprocessor_config"] = copy.deepcopy(family.tiny_preprocessor if family else
                                                   ADAPTER_PREPROCESSORS.get(model_type, {}))
@@ -185,6 +191,10 @@ MOONDREAM = {"chat_template": IMAGE_FIRST, "vision_config": {"patch_size": 14, "
 # DeepSeek-OCR's SAM, tiny (models/vlm_towers.py): SAMViTConfig's fields, in its checkpoints' vision_config.
 DEEPSEEK_SAM = {"width": VISION_WIDTH, "layers": 2, "heads": 2, "global_attn_indexes": [], "prompt_embed_dim": 16,
                 "downsample_channels": [VISION_WIDTH, VISION_WIDTH]}
+
+# Qwen3-Omni's audio tower (built, not served): one 32-wide layer.
+TINY_AUDIO = {"d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+              "num_hidden_layers": 1, "output_dim": HIDDEN, "downsample_hidden_size": 16}
 
 # What the field names cannot tell, per model type.
 OVERRIDES: dict[str, dict] = {
@@ -307,6 +317,9 @@ OVERRIDES: dict[str, dict] = {
                   "vision_config": {"projection_intermediate_size": 64}},
     # Qwen4-Exp: its QSA indexer keeps 16 of a prompt's keys (fewer than a prompt's: the selection decides).
     "qwen4_exp": {"text_config": {"indexer_budget": 16, "indexer_head_dim": 16}},
+    # Qwen3-Omni: M-RoPE sections of a 16-wide head; deepstack rows from the tower's first block.
+    "qwen3_omni_moe": {"text_config": {"rope_scaling": {"mrope_section": [2, 3, 3], "rope_type": "default"}},
+                       "vision_config": {"deepstack_visual_indexes": [0]}},
     # PaliGemma's prompt as mlx-vlm makes it (models/vlm_prefix.py; BOS after the image where a tokenizer has
     # one); 96 px images, 36 tokens.
     "paligemma": {"vision_config": {"image_size": 96}, "chat_template": PALIGEMMA_TEMPLATE},

@@ -32,7 +32,10 @@ VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "gemma3", "llava")  # hand-written ada
 def is_vlm_config(config: dict) -> bool:
     from mlxserve.models.vlm_families import FAMILIES
 
-    return "vision_config" in config and config.get("model_type") in (*VLM_FAMILIES, *FAMILIES)
+    from mlxserve.models.vlm_thinker import has_thinker_vision
+
+    vision = "vision_config" in config or has_thinker_vision(config)  # (Qwen3-Omni's thinker's)
+    return vision and config.get("model_type") in (*VLM_FAMILIES, *FAMILIES)
 
 
 @dataclass

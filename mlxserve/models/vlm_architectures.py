@@ -48,6 +48,9 @@ def is_vlm(model_type: str) -> bool:
     if config is None or model is None or not dataclasses.is_dataclass(config):
         return False
     fields = {f.name for f in dataclasses.fields(config)}
+    thinker = getattr(module, "ThinkerConfig", None)  # Qwen3-Omni's: the vision tower is its thinker's
+    if "thinker_config" in fields and thinker is not None and dataclasses.is_dataclass(thinker):
+        fields |= {f.name for f in dataclasses.fields(thinker)}
     return "vision_config" in fields and hasattr(model, "get_input_embeddings")
 
 
@@ -180,8 +183,6 @@ VLM_REFUSED: dict[str, str] = {
     "openai_privacy_filter": f"a token classifier (it labels spans of its input): {NO_TEXT}",
     "pp_doclayout_v3": DETECTOR,
     "qwen3_embedding": EMBEDDING,
-    "qwen3_omni_moe": ("Qwen3-Omni (a thinker with audio and vision towers, and a speech talker): its config "
-                       "nests them under thinker_config, which no adapter reads; mlx-lm has no text model of it"),
     "qwen_image": IMAGE_GENERATOR,
     "rfdetr": DETECTOR,
     "rt_detr_v2": DETECTOR,

@@ -142,6 +142,9 @@ FAMILIES = {
     # Qwen4-Exp: Qwen3.5's image layout; its QSA attention keeps mlx-vlm's QSAKVCache (keys, values and the
     # indexer's keys and positions a token), so it runs one request at a time, uncached (models/vlm.py TextModel).
     "qwen4_exp": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY),
+    # Qwen3-Omni's thinker (its audio tower and talker are not served): Qwen3-VL's image layout, its settings under
+    # thinker_config (models/vlm_thinker.py).
+    "qwen3_omni_moe": Family("qwen", ("vision_start_token_id", "vision_end_token_id"), tiny_preprocessor=QWEN_TINY),
     "indic_ocr": QWEN3,  # Qwen3.5 with an Indic vocabulary
     # MiMo-V2.6 (omni: its audio tower is not served): Qwen2.5-VL's image layout, one (1, h, w) grid an image.
     # MiniCPM-o (omni: its audio tower is not served) as mlx-vlm's processor renders an image: its

@@ -40,6 +40,7 @@ from mlxserve.models.vlm_patches import _BIDIRECTIONAL, _PATCHES, bidirectional_
 from mlxserve.models.vlm_spans import ProcessorSpans
 from mlxserve.models.vlm_bothways import IMAGES as BLOCK_IMAGES, POSITIONS, BlockTextModel, image_blocks
 from mlxserve.models.vlm_standin import MARKED
+from mlxserve.models.vlm_thinker import LAYER_FEATURES as THINKER_FEATURES, layer_rows, thinker_view
 from mlxserve.models.vlm_prefix import CHAT_TEMPLATE as PREFIX_TEMPLATE, IMAGES as PREFIX_IMAGES, NEEDS_IMAGE
 from mlxserve.models.vlm_prefix import PrefixTextModel, zero_padding
 
@@ -75,9 +76,10 @@ class GenericVLM(VisionAdapter):
     """Any FAMILIES model: images through mlx-vlm's get_input_embeddings, per-chunk extras passed on."""
 
     def __init__(self, model, config, processor_config, tokenizer):
+        config = thinker_view(config)  # Qwen3-Omni's thinker's settings (models/vlm_thinker.py)
         self.family = config["model_type"]
         spec = FAMILIES[self.family]
-        lm, cfg = model.language_model, model.config
+        lm, cfg = model.language_model, getattr(model, "thinker", model).config
         self.mrope = hasattr(lm, "get_rope_index")  # Qwen3-VL, Qwen3.5: M-RoPE positions from the image grids
         self.mrope = self.mrope or spec.positions in POSITIONS  # HunyuanVL's (models/vlm_bothways.py)
         self.deepstack = bool(getattr(cfg.vision_config, "deepstack_visual_indexes", None)  # Qwen3-VL
@@ -238,6 +240,8 @@ class GenericVLM(VisionAdapter):
         rows = f.inputs_embeds[0]
         if self.deepstack:  # a list of rows a layer, or Cohere Compass's wrapper of it (and its mask)
             deep = f.deepstack_visual_embeds
+            if isinstance(deep, mx.array) and deep.ndim == 4:  # [batch, tokens, layers, D] (Qwen3-Omni's)
+                deep = layer_rows(deep)
             rows = mx.stack([rows, *getattr(deep, "embeddings", deep)], axis=1)
         return rows
 
@@ -307,8 +311,9 @@ class GenericVLM(VisionAdapter):
             media = ids == self.image_token_id
             out["visual_pos_masks"] = media if self.video_token_id is None else media | (ids == self.video_token_id)
             out["deepstack_visual_embeds"] = [rows[:, j] for j in range(rows.shape[1])]
-            if self.family in LAYER_FEATURES:
-                out = LAYER_FEATURES[self.family](out, media, rows)
+            features = LAYER_FEATURES | THINKER_FEATURES  # (Qwen3-Omni's: models/vlm_thinker.py)
+            if self.family in features:
+                out = features[self.family](out, media, rows)
         if getattr(text, "per_layer_inputs", None) is not None:
             out["per_layer_inputs"] = text.per_layer_inputs
         name = FAMILIES[self.family].media_mask
