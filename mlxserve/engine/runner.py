@@ -588,4 +588,6 @@ class Runner:
         self.batch.clear()
         self.generator.close()
         self.generator = self._new_generator()
+        if self.kv_blocks is not None:
+            self.kv_blocks.merges.clear()  # a merge the failed step left halfway holds blocks
         return dropped
