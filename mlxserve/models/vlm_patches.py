@@ -143,7 +143,38 @@ def jina_crop_size(model, images) -> None:
         images.proc._image_proc = ImageProcessor(**sizes)
 
 
+def _deepseek_v3_embeddings() -> None:
+    """Let mlx-vlm's DeepSeek-V3 language model (Mistral Large 3's) take the prompt's embeddings.
+
+    Its LanguageModel.__call__ accepts `inputs_embeds` and drops it: the model embeds the ids
+    again, so an image's rows never reach the layers (mlx-vlm's own generate too) and a Mistral
+    Large 3 prompt gives the same tokens whatever its image (its generated test found it). Here
+    given embeddings stand in for the embedding lookup of that one call; the rest of the pass
+    (mask, pipeline ranks, layers, norm, head) is mlx-vlm's own. Without them it is unchanged.
+    """
+    import mlx_vlm.models.deepseek_v3.language as deepseek_v3
+
+    original = deepseek_v3.LanguageModel.__call__
+    if getattr(original, "mlxserve", False):
+        return
+
+    def call(self, inputs=None, cache=None, inputs_embeds=None, **kwargs):
+        if inputs_embeds is None:
+            return original(self, inputs, cache, **kwargs)
+        model, table = self.model, self.model.embed_tokens
+        model.embed_tokens = lambda ids: inputs_embeds  # this pass's rows, in place of the ids' own
+        try:
+            return original(self, inputs, cache, **kwargs)
+        finally:
+            model.embed_tokens = table
+
+    call.mlxserve = True
+    call.original = original
+    deepseek_v3.LanguageModel.__call__ = call
+
+
 _PATCHES = {"mlx_vlm.models.qwen3_5.language": _qwen3_5_row_caches,
+            "mlx_vlm.models.deepseek_v3.language": _deepseek_v3_embeddings,
             "mlx_vlm.models.deepseek_vl_v2.language": deepseek_vl2_spatial_crops,  # models/vlm_spans.py
             "mlx_vlm.models.jina_vlm.language": _jina_vlm,
             "mlx_vlm.models.zaya1_vl.language": _zaya_cache_pairs}
