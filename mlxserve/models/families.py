@@ -21,10 +21,13 @@ SERIAL_PREFILL = frozenset({"jamba", "olmo_hybrid", "nemotron_h", "mamba", "baic
 # lengths) and take the padding into their state (tests/test_vlm.py, tests/test_vlm_minicpm.py).
 # ZAYA1-VL's CCA attention keeps a conv window and the last token's hidden state per layer, taken
 # from a chunk's last positions whatever the batch's lengths: a right-padded row keeps padding
-# (tests/test_vlm_architectures.py, zaya1_vl's batch of 3).
+# (tests/test_vlm_architectures.py, zaya1_vl's batch of 3). Nemotron-H Nano Omni's language model
+# is Nemotron-H, whose Mamba layers take a right-padded row's padding into their state as mlx-lm's
+# nemotron_h does (SERIAL_PREFILL): its batch of 3 changed a row's second token once the random
+# weights changed (its earlier weights happened to hide it).
 SERIAL_PREFILL_VLM = frozenset({"qwen3_5", "qwen3_5_moe", "indic_ocr",  # (the last two: Qwen3.5's language model)
                                 "minicpmv4_6", "minicpmv4_7",  # (Qwen3.5's language model, MiniCPM-V's tower)
-                                "zaya1_vl"})
+                                "zaya1_vl", "nemotron_h_nano_omni"})
 # mlx-vlm's text-only Qwen3.5 packages (served through models/vlm_text.py): the same language model.
 SERIAL_PREFILL_VLM_TEXT = frozenset({"qwen3_5_text", "qwen3_5_moe_text"})
 
