@@ -6,12 +6,14 @@ random-weight config built from mlx-vlm's config classes (mlxserve.models.tiny_v
 image in every prompt: greedy tokens alone, in batches of 2 and 3 prompts of different
 lengths, cold, from a full hit (the image's KV reused) and a partial hit, with the cache off
 and after a restart from the disk tier are all the same (tests/parity.py), and are mlx-vlm's
-own whole-prompt pass's. Every other package of mlx-vlm is accounted for: a model type
-mlx-lm serves as text, or refused at load with its reason.
+own whole-prompt pass's; a darker picture gives other tokens (so the image's rows count).
+Every other package of mlx-vlm is accounted for: a model type mlx-lm serves as text, or
+refused at load with its reason.
 """
 
 import json
 
+import numpy as np
 import pytest
 
 from mlxserve.cache.layers import model_specs, spec_kinds
@@ -67,6 +69,19 @@ def image_prompts(loaded):
     return a, b, c, shared
 
 
+def another_image(loaded, a):
+    """a's words about its picture darkened to a quarter (every pixel changed, the layout the
+    same): tokens that differ from a's show the image's rows change them, else rows put in the
+    wrong place would pass. (Another noise picture of a's size changed too little what towers
+    that pool their patches give: 8 types gave a's tokens with one, 4 with this one.)"""
+    from PIL import Image
+
+    darker = Image.fromarray(np.asarray(picture(1)) // 4)
+    other = chat_prompt(loaded, user(darker, QUESTION))
+    assert len(other[0]) == len(a[0]) and other[1][0].num_tokens == a[1][0].num_tokens
+    return other
+
+
 def own_forward(loaded, prompt, n):
     """mlx-vlm's own greedy tokens of a one-image prompt: its get_input_embeddings over the
     whole prompt with the image's inputs, then its language model."""
@@ -97,7 +112,8 @@ def test_vlm_type_is_served_with_images_batched_and_cached(model_type, tmp_path)
         prompts = a, b, c, 0
     recurrent = "state" in spec_kinds(model_specs(loaded.model))
     serving, stats = check_served_alike(loaded, SETTINGS, tmp_path / "kv", block_granular=recurrent,
-                                        prompts=prompts, expected=own_forward(loaded, a, 4))
+                                        prompts=prompts, expected=own_forward(loaded, a, 4),
+                                        unlike=another_image(loaded, a))
     if serving["caches"]:
         assert stats["disabled"] is None and stats["misses"]["unrestorable"] == 0
     assert (serving["batches"], serving["caches"]) == LIMITED.get(model_type, (True, True)), serving["limits"]

@@ -256,7 +256,9 @@ OVERRIDES: dict[str, dict] = {
                         "deepstack_layer_map": [[-1, 0]], "spatial_target_layers": [1, 1, 1, 1],
                         "text_config": {"model_type": "granite", "embedding_multiplier": 0.1},
                         "vision_config": {"hidden_size": 64}},
+    # Text rows scaled down (as granite4_vision's): at Granite's 12 the image changed no greedy token.
     "granite_vision": {"image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
+                       "text_config": {"embedding_multiplier": 0.1},
                        "vision_feature_layer": [-2, -1], "vision_config": {"image_size": 32}},
     "llava_next": {"image_grid_pinpoints": [[32, 32], [32, 64], [64, 32], [64, 64]],
                    "text_config": {"model_type": "llama"},  # its language model takes Llama's only
@@ -299,9 +301,10 @@ OVERRIDES: dict[str, dict] = {
                     "vision_config": {"patch_size": 8},
                     "text_config": {"rope_parameters": {"type": "default", "mrope_section": [2, 1, 1],
                                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
-    # 4.6's, its language model's three M-RoPE axes told apart by its canvas positions.
+    # 4.6's, its language model's three M-RoPE axes told apart by its canvas positions; its tower 64 wide
+    # (at 32 a darker image changed no greedy token).
     "minicpmv4_7": {"patch_size": 8, "image_size": 64, "insert_layer_id": 0,
-                    "vision_config": {"patch_size": 8},
+                    "vision_config": {"patch_size": 8, "hidden_size": 2 * VISION_WIDTH},
                     "text_config": {"rope_parameters": {"type": "default", "mrope_section": [2, 1, 1],
                                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}},
     # Its text model is Nemotron-H's (mlx-lm's tiny layout: Mamba, attention, Mamba, MLP).
@@ -357,6 +360,9 @@ OVERRIDES: dict[str, dict] = {
     # A SigLIP-2 NaFlex tower of 16 px patches, 4 to 16 of them an image (a 4 x 4 position grid).
     "phi4_siglip": {"mm_vision_tower": "siglip2-so400m-patch16-naflex", "mm_hidden_size": VISION_WIDTH,
                     "min_num_patches": 4, "max_num_patches": 16, "vision_config": {"num_patches": 16}},
+    # A tower 64 wide: at 32 a darker image changed no greedy token (12 image rows of a 73-token prompt).
+    "qwen3_5": {"vision_config": {"hidden_size": 2 * VISION_WIDTH}},
+    "indic_ocr": {"vision_config": {"hidden_size": 2 * VISION_WIDTH}},  # Qwen3.5's
     "qwen2_vl": {"vision_config": {"hidden_size": HIDDEN, "patch_size": 14, "spatial_patch_size": 14},
                  "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}},
     # Its image marks: Qwen's vision tokens and its object and box marks for its four registers; one frame.
