@@ -99,10 +99,10 @@ Each type served with images is tested on a tiny random-weight config built from
 config classes (`mlxserve/models/tiny_vlm.py`), an image in every prompt: greedy tokens
 alone, in batches of 2 and 3 prompts of different lengths, cold, from a full hit (the
 image's KV reused) and a partial one, with the cache off and after a restart from the disk
-tier are all the same, and are mlx-vlm's own whole-prompt pass's
-(`tests/test_vlm_architectures.py`). A running server says the same per model in
-`/v1/models` (`serving.images` too). To serve a tiny one: write its config
-(`python3 -c "import json; from mlxserve.models.tiny_vlm import tiny_vlm_config;
+tier are all the same, and are mlx-vlm's own whole-prompt pass's; the image darkened gives
+other tokens, so the image's rows count (`tests/test_vlm_architectures.py`). A running
+server says the same per model in `/v1/models` (`serving.images` too). To serve a tiny
+one: write its config (`python3 -c "import json; from mlxserve.models.tiny_vlm import tiny_vlm_config;
 print(json.dumps(tiny_vlm_config('glm4v')))" > glm4v.json`) and run
 `mlxserve serve glm4v.json --load-format dummy`; a bare type that mlx-lm does not have
 (`mlxserve serve glm4v --load-format dummy`) is its tiny VLM directly.
