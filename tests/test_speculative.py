@@ -34,7 +34,7 @@ def copier(head_dim=None, scale=0.1, seed=1):
     """qwen3-tiny, scaled (see the module doc); head_dim 64 quantizes its KV in mlx's groups of 64.
 
     Seed 1, with the dummy weights of INIT_VERSION 6: for its echo prompt's first 40 tokens n-gram
-    lookup drafts 8 tokens in 2 passes, the second keeping 1 of its 4, then misses (from the 8th
+    lookup drafts 8 tokens in 2 passes, the second keeping 1 of its 4, then misses (from the 9th
     token on it decodes one token at a time). Seed 3 repeated its prompt for 25 tokens: no rejection."""
     from mlxserve.models.load import load
     from mlxserve.models.shapes import SHAPES
