@@ -20,7 +20,7 @@ from schemathesis import GenerationMode
 
 # Examples per operation and mode; MLXSERVE_FUZZ_EXAMPLES raises it for a longer local run.
 EXAMPLES = int(os.environ.get("MLXSERVE_FUZZ_EXAMPLES", "100"))
-BUDGET_S = float(os.environ.get("MLXSERVE_FUZZ_BUDGET_S", "45"))  # CI: the suite keeps under 30 min
+BUDGET_S = float(os.environ.get("MLXSERVE_FUZZ_BUDGET_S", "30"))  # CI: the suite keeps under 30 min
 CONTEXT = 32  # the fuzzed server's max_model_len
 MAX_N = 8  # choices per request (the schema allows 128: a few seconds each on 2 CPU cores)
 MODEL = "qwen3-tiny"
