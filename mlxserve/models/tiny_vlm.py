@@ -274,8 +274,8 @@ OVERRIDES: dict[str, dict] = {
                                         "moe_layer_start_index": 1, "moe_layer_end_index": 3, "moe_k": 2,
                                         "mrope_section": [3, 3, 2], "freq_allocation": 2}},
     # Its FastViT-HD tower's stages (class attributes in mlx-vlm, 123M parameters) sized here by
-    # models/vlm_towers.py: five stages of one block, attention in the last two (32-wide heads); a 128 px
-    # image (its family's tiny_preprocessor), 2 x 2 rows after its 64x downsampling, 128 wide into the projector.
+    # models/vlm_towers.py: five stages of one block, attention in the last two (32-wide heads); a 192 px
+    # image (its family's tiny_preprocessor), 3 x 3 rows after its 64x downsampling, 128 wide into the projector.
     "fastvlm": {"image_token_index": -200, "mm_hidden_size": 128,
                 "vision_config": {"projection_dim": HIDDEN, "layers": [1, 1, 1, 1, 1],
                                   "embed_dims": [16, 16, 32, 32, 64]}},

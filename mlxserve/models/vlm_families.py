@@ -321,8 +321,9 @@ FAMILIES = {
     # LLaVA-Bunny's and FastVLM's one -200 (384 px and 1024 px images in their checkpoints), Phi-3-vision's
     # run of -1 (336 px crops, one in the tiny config).
     "llava_bunny": Family("llava_bunny", (None, None), tiny_preprocessor={}),
-    "fastvlm": Family("fastvlm", (None, None), tiny_preprocessor={"size": {"shortest_edge": 128},
-                                                                  "crop_size": {"height": 128, "width": 128}}),
+    # FastVLM's tiny images 192 px, 3 x 3 rows: at 128 px (2 x 2) a darker image moved its logits too little.
+    "fastvlm": Family("fastvlm", (None, None), tiny_preprocessor={"size": {"shortest_edge": 192},
+                                                                  "crop_size": {"height": 192, "width": 192}}),
     # PaliGemma 1 / 2: SigLIP at a fixed square size, one run of (size / patch)^2 image tokens first in the
     # prompt; the whole prompt attends both ways (models/vlm_prefix.py).
     "paligemma": Family("paligemma", (None, None), image_token=("image_token_index",), prefix_lm=True,
