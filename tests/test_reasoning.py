@@ -304,7 +304,7 @@ def restricted(tokenizer):
     """logit_bias that keeps the random model to "a", " b" and `</think>`.
 
     The tiny model's logits are peaked (`</think>` 11-25 below the top), so the
-    end tag gets a head start; with seed 0 it writes some "a b" then `</think>`s.
+    end tag gets a head start: it writes `</think>` and "a b".
     """
     a, b = tokenizer.encode("a")[0], tokenizer.encode(" b")[0]
     return {str(a): 88, str(b): 88, str(END): 100}
@@ -313,12 +313,16 @@ def restricted(tokenizer):
 def test_live_chat_reasoning_matches_raw_completion(think_server, qwen35):
     """The same tokens through /v1/completions (raw) and chat: reasoning + `</think>` + answer."""
     messages = [{"role": "user", "content": "Hi"}]
-    fields = {"max_tokens": 24, "seed": 0, "logit_bias": restricted(qwen35)}
+    # Greedy over " s" and `</think>` 25 below it: the random model never writes " s" twice in a
+    # row (38 below `</think>` after one) and is 6-15 above it after `</think>` (measured: every
+    # step's choice wins by 6 or more), so " s" is the reasoning, then " s</think>" repeats.
+    s = qwen35.encode(" s")[0]
+    fields = {"max_tokens": 12, "temperature": 0, "logit_bias": {str(s): 100, str(END): 75}}
     prompt = render_chat(qwen35, messages)
     raw = httpx.post(think_server.base_url + "/completions",
                      json={"prompt": prompt, **fields}, timeout=60).json()["choices"][0]["text"]
     reasoning, answer = raw.split("</think>", 1)
-    assert reasoning.strip() and answer  # both parts to check
+    assert reasoning.strip() and answer.strip(), raw  # both parts to check
     client = openai.OpenAI(base_url=think_server.base_url, api_key="x")
     message = client.chat.completions.create(model="qwen3-tiny", messages=messages, extra_body=fields
                                              ).choices[0].message
