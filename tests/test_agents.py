@@ -23,9 +23,11 @@ from mlxserve.config import EngineConfig
 MODEL = "qwen3-tiny"
 CONTEXT = 40960  # agents' prompts run to 10-20k tokens; qwen3-tiny's own context is 4k
 SYSTEM = "You are a coding agent. Use the tools to read, run and edit files. " * 8
+# additionalProperties false as Claude Code sends it (tests/agents/claude_code.json): without it
+# a forced call may add properties of unbounded names, and random weights fill one until max_tokens.
 BASH = {"name": "Bash", "description": "Run a shell command.",
         "input_schema": {"type": "object", "properties": {"command": {"type": "string", "maxLength": 16}},
-                         "required": ["command"]}}
+                         "required": ["command"], "additionalProperties": False}}
 EXEC = {"type": "function", "name": "exec_command", "description": "Run a command.", "strict": False,
         "parameters": {"type": "object", "properties": {"cmd": {"type": "string", "maxLength": 16}},
                        "required": ["cmd"]}}

@@ -129,6 +129,11 @@ def test_forced_calls_drop_what_is_not_a_call(syntax):
     cut = ONE_CALL.removeprefix("Let me check.") + "\n" + UNFINISHED.removeprefix("Hmm ")
     assert split_text(syntax, cut, TOOLS, forced=True) == ("", [ToolCall("get_weather", {"city": "Paris"})])
     assert split_text(syntax, cut, TOOLS)[0].endswith(UNFINISHED.removeprefix("Hmm "))
+    # Cut before its first call ended: no markup as the answer, whole or streamed.
+    unfinished = UNFINISHED.removeprefix("Hmm ")
+    assert split_text(syntax, unfinished, TOOLS, forced=True) == ("", [])
+    stream = ToolCallStream(syntax, TOOLS, forced=True)
+    assert stream.feed(unfinished) + stream.finish() == []
 
 
 @pytest.mark.parametrize("text", [ONE_CALL, TWO_CALLS, MALFORMED, UNFINISHED, BARE, BARE_UNKNOWN, FENCED,

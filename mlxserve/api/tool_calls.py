@@ -258,12 +258,13 @@ def _held_back(text: str, marker: str) -> int:
 
 
 def split_text(syntax: ToolSyntax | None, text: str, tools, forced: bool = False) -> tuple[str, list[ToolCall]]:
-    """A whole answer as (text outside the calls, calls); the text as is if no call parsed."""
+    """A whole answer as (text outside the calls, calls); the text as is if no call parsed,
+    unless the call was forced: then it is a call cut by max_tokens, markup the stream drops too."""
     stream = ToolCallStream(syntax, tools, forced)
     pieces = stream.feed(text) + stream.finish()
     calls = [p for p in pieces if isinstance(p, ToolCall)]
     if not calls:
-        return text, []
+        return ("" if forced else text), []
     return "".join(p for p in pieces if isinstance(p, str)).strip(), calls
 
 
