@@ -50,11 +50,14 @@ def quantizable(tmp_path_factory):
     return load(str(folder), load_format="dummy", progress=False)
 
 
-PLAIN_KV: dict = {}
+@pytest.fixture(scope="module")
+def plain_kv(quantizable):
+    """The unquantized run both bit widths compare with: made once."""
+    return check_hits_give_the_same_tokens(quantizable, dict(block_size=16, prefill_chunk_size=32))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_kv_hits_give_the_same_tokens(quantizable, bits, quantized_attention_calls):
+def test_quantized_kv_hits_give_the_same_tokens(quantizable, bits, quantized_attention_calls, plain_kv):
     settings = dict(block_size=16, prefill_chunk_size=32)
     runs = {}
     for mode in ("quantized", "dequantized"):
@@ -62,9 +65,7 @@ def test_quantized_kv_hits_give_the_same_tokens(quantizable, bits, quantized_att
         runs[mode] = check_hits_give_the_same_tokens(quantizable, dict(settings, kv_bits=bits, kv_attention=mode))
         # The mode reaches attention on every path the check takes (solo, batch, hits, handovers).
         assert bool(quantized_attention_calls) == (mode == "quantized")
-    if "plain" not in PLAIN_KV:  # the same unquantized run for both bit widths: made once
-        PLAIN_KV["plain"] = check_hits_give_the_same_tokens(quantizable, settings)
-    plain, plain_tokens = PLAIN_KV["plain"]
+    plain, plain_tokens = plain_kv
     # Both attention modes read the same quantized KV (only rounding differs); 4-bit KV
     # visibly changes this tiny model's output.
     assert runs["quantized"][1] == runs["dequantized"][1]
