@@ -46,13 +46,21 @@ PEERS = {p.name: p for p in (
 )}
 
 
+def peer_of(label: str) -> Peer | None:
+    """The peer a `--start` label names: `NAME`, or `NAME@VARIANT` (the same server started again,
+    with its own --peer-args, e.g. mlxserve@paged), None if NAME is no known peer."""
+    return PEERS.get(label.partition("@")[0])
+
+
 def parse_pairs(values: list[str] | None, what: str) -> dict[str, str]:
-    """`NAME=VALUE` flags (given several times) as a dict, each NAME a known peer."""
+    """`LABEL=VALUE` flags (given several times) as a dict, each LABEL a known peer (`NAME` or
+    `NAME@VARIANT`)."""
     out = {}
     for v in values or []:
         name, sep, value = v.partition("=")
-        if not sep or name not in PEERS:
-            raise SystemExit(f"--{what}: expected NAME=VALUE with NAME one of {', '.join(PEERS)}; got {v!r}")
+        if not sep or peer_of(name) is None:
+            raise SystemExit(f"--{what}: expected NAME=VALUE with NAME one of {', '.join(PEERS)} "
+                             f"(or NAME@VARIANT); got {v!r}")
         out[name] = value
     return out
 

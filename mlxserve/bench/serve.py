@@ -55,7 +55,9 @@ def add_parser(sub) -> None:
     p.add_argument("--start", default=None, metavar="NAMES",
                    help="Instead of --url: start these servers (comma-separated: mlxserve, mlx_lm, "
                         "vllm-mlx) one after the other on --model-dir, each alone on the device, and "
-                        "compare them in one result. A server that fails to start is reported as such.")
+                        "compare them in one result. A server that fails to start is reported as such. "
+                        "NAME@VARIANT starts NAME again under another label, with its own --peer-args "
+                        "(e.g. mlxserve,mlxserve@paged and 'mlxserve@paged=--kv-layout paged').")
     p.add_argument("--model-dir", default=None, help="With --start: the MLX model folder every server loads.")
     p.add_argument("--peer-path", action="append", metavar="NAME=DIR",
                    help="With --start: a folder of packages put first on that server's PYTHONPATH "
@@ -329,7 +331,7 @@ def measure_started(args, levels: list[int]) -> list[dict]:
     from mlxserve.bench import peers
 
     names = args.start.split(",")
-    unknown = [n for n in names if n not in peers.PEERS]
+    unknown = [n for n in names if peers.peer_of(n) is None]
     if unknown or not args.model_dir:
         raise SystemExit(f"--start takes {', '.join(peers.PEERS)} (got {unknown}) and needs --model-dir"
                          if unknown else "--start needs --model-dir")
@@ -338,10 +340,11 @@ def measure_started(args, levels: list[int]) -> list[dict]:
     ignore_eos = args.ignore_eos
     runs = []
     for name in names:
-        peer = peers.PEERS[name]
+        peer = peers.peer_of(name)
         result = {"label": name, "url": None, "model": None, "server": {}, "ignore_eos": False, "rows": []}
         try:
-            with peers.Started(peer, args.model_dir, paths.get(name), extra.get(name, ""),
+            path = paths.get(name, paths.get(peer.name))  # a variant shares its server's packages
+            with peers.Started(peer, args.model_dir, path, extra.get(name, ""),
                                args.start_timeout) as started:
                 model, server = server_info(started.url, peer.model, args.api_key)
                 result.update(url=started.url, model=model, server={
