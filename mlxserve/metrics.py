@@ -20,6 +20,17 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# The first token's phases, down to a millisecond (a step's hand-over, a tiny model's prefill).
+PHASE_BUCKETS = (0.001, 0.0025) + TTFT_BUCKETS
+# (attribute, metric name, help) of the phases that make up the time to first token.
+FIRST_TOKEN_PHASES = (
+    ("queue", "mlxserve_queue_seconds",
+     "Seconds from arrival (templating and tokenizing included) to admission into the running batch."),
+    ("prefill", "mlxserve_prefill_seconds",
+     "Seconds from admission to the end of the pass that held the prompt's last chunk."),
+    ("first_step", "mlxserve_first_step_seconds",
+     "Seconds from the end of prefill to the first token out of the engine step that sampled it."),
+)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -40,6 +51,9 @@ class Metrics:
         self.ttft = Histogram("mlxserve_time_to_first_token_seconds",
                               "Seconds from arrival to the first generated token.",
                               buckets=TTFT_BUCKETS, registry=r)
+        # Where the time to first token goes: the three add up to it, request by request.
+        self.phases = {attr: Histogram(name, doc, buckets=PHASE_BUCKETS, registry=r)
+                       for attr, name, doc in FIRST_TOKEN_PHASES}
         self.itl = Histogram("mlxserve_inter_token_latency_seconds",
                              "Seconds between consecutive tokens of a request.",
                              buckets=ITL_BUCKETS, registry=r)

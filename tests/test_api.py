@@ -556,6 +556,52 @@ def test_metrics(server, client, http):
         (("endpoint", "/v1/chat/completions"), ("status", "400"))] >= 1
 
 
+def test_first_token_phases_add_up_and_show_queueing(server, client, http):
+    """Where the first token's time goes: each request's queue, prefill and first step add up to its
+    time to first token; requests beyond --max-num-seqs (16 here) wait in the queue until a slot
+    frees; /metrics and /v1/stats carry them."""
+    from mlxserve.engine.request import Request, SamplingParams
+
+    engine = server.engine
+    n = engine.config.max_num_seqs + 4
+
+    async def burst():
+        arrival = time.perf_counter()  # one arrival for all, so their clocks compare
+        streams = [engine.submit(Request([1 + i, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0),
+                                         request_id=f"phases-{i}", arrival_time=arrival))
+                   for i in range(n)]
+
+        async def first(stream):
+            outs = [out async for out in stream]
+            return outs[0]
+
+        return await asyncio.gather(*(first(s) for s in streams))
+
+    firsts = asyncio.run(burst())
+    phases = [out.first_token_phases for out in firsts]
+    for out, p in zip(firsts, phases):
+        assert min(p.queue, p.prefill, p.first_step) >= 0
+        assert p.queue + p.prefill + p.first_step == pytest.approx(out.first_token_time, abs=1e-3)
+    # A request is admitted only once another has finished, after that one's first token: the
+    # 4 beyond the running batch's slots waited longer than the quickest first token took.
+    quickest = min(out.first_token_time for out in firsts)
+    assert sum(p.queue > quickest for p in phases) >= 4
+
+    def values():
+        return {s.name: s.value for f in text_string_to_metric_families(http.get("/metrics").text) for s in f.samples}
+
+    before = values()
+    chat(client, max_tokens=2, temperature=0, n=3)
+    after = values()
+    delta = {k: after[k] - before.get(k, 0) for k in after if k.endswith(("_seconds_sum", "_seconds_count"))}
+    names = ("mlxserve_queue_seconds", "mlxserve_prefill_seconds", "mlxserve_first_step_seconds")
+    assert all(delta[f"{name}_count"] == 3 for name in names)
+    assert sum(delta[f"{name}_sum"] for name in names) == pytest.approx(
+        delta["mlxserve_time_to_first_token_seconds_sum"], abs=3e-3)
+    requests = http.get("/v1/stats").json()["requests"]
+    assert all(requests[key] >= 0 for key in ("mean_queue_s", "mean_prefill_s", "mean_first_step_s"))
+
+
 def metric_values(text: str, name: str) -> dict:
     return {tuple(sorted(s.labels.items())): s.value
             for f in text_string_to_metric_families(text) for s in f.samples if s.name == name}

@@ -175,6 +175,9 @@ class Run:
         now = time.perf_counter()
         if last is None:
             m.ttft.observe(out.first_token_time or now - self.requests[index].arrival_time)
+            if out.first_token_phases is not None:
+                for phase, histogram in m.phases.items():
+                    histogram.observe(getattr(out.first_token_phases, phase))
             m.cached_tokens.inc(out.cached_tokens)
         else:
             m.itl.observe(now - last)

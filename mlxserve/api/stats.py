@@ -48,7 +48,10 @@ def requests_part(registry) -> dict:
                 statuses[status] = statuses.get(status, 0) + int(s.value)
             elif s.name.endswith(("_seconds_sum", "_seconds_count")):
                 sums[s.name] = s.value
-    for name, key in (("time_to_first_token", "mean_ttft_s"), ("e2e_request_latency", "mean_e2e_s")):
+    # The first token's phases (queue, prefill, first step) add up to the TTFT: where it goes.
+    for name, key in (("time_to_first_token", "mean_ttft_s"), ("queue", "mean_queue_s"),
+                      ("prefill", "mean_prefill_s"), ("first_step", "mean_first_step_s"),
+                      ("e2e_request_latency", "mean_e2e_s")):
         count = sums.get(f"mlxserve_{name}_seconds_count", 0)
         out[key] = sums[f"mlxserve_{name}_seconds_sum"] / count if count else None
     out["finished"] = finished

@@ -29,6 +29,7 @@ from mlxserve.engine.pins import PrefixPins
 from mlxserve.engine.request import (
     EngineError,
     EngineStalledError,
+    FirstTokenPhases,
     PromptTooLongError,
     Request,
     RequestOutput,
@@ -310,8 +311,10 @@ class AsyncEngine:
                                         prompt_tokens=len(request.prompt_token_ids),
                                         completion_tokens=completion_tokens)
                     break
+                phases = None
                 if first_token_time is None:
                     first_token_time = item.time - request.arrival_time
+                    phases = first_token_phases(request.arrival_time, item)
                 if item.token is None:  # max_tokens 0: the prompt was scored, nothing generated
                     done = True
                     yield RequestOutput(request.request_id, [], "", finish_reason=item.finish_reason,
@@ -343,6 +346,7 @@ class AsyncEngine:
                     completion_tokens=completion_tokens,
                     cached_tokens=item.cached_tokens,
                     first_token_time=first_token_time,
+                    first_token_phases=phases,
                     stop_reason=stop_reason,
                     prompt_logprobs=item.prompt_logprobs,
                 )
@@ -571,7 +575,7 @@ class AsyncEngine:
                 outbox.setdefault(ev.seq.request_id, []).append(
                     StreamToken(ev.token, ev.finish_reason,
                                 ev.finish_reason == "stop" and ev.token in ev.seq.stop_ids,
-                                ev.logprob, ev.top, ev.seq.cached_tokens, now, ev.prompt_logprobs)
+                                ev.logprob, ev.top, ev.seq.cached_tokens, now, ev.prompt_logprobs, ev.phases)
                 )
             self.num_running = scheduler.num_running
             self.num_waiting = len(scheduler.waiting)
@@ -604,6 +608,17 @@ class AsyncEngine:
 
     def _fail_all(self, message: str, error: type = EngineError) -> None:
         self._publish({rid: [StreamFailure(message, error)] for rid in list(self._streams)})
+
+
+def first_token_phases(arrival: float, item: StreamToken) -> FirstTokenPhases | None:
+    """Where a request's time to first token went, from its first token's stream item."""
+    if item.phases is None or item.phases[0] is None:
+        return None
+    admitted, prefill_done = item.phases
+    if prefill_done is None:  # no pass was seen ending its prompt: its prefill ran up to this token
+        prefill_done = item.time
+    return FirstTokenPhases(queue=admitted - arrival, prefill=prefill_done - admitted,
+                            first_step=item.time - prefill_done)
 
 
 def _finish_gpu_work() -> None:

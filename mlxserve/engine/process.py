@@ -381,7 +381,7 @@ def _unpicklable(message, e: Exception):
 def _as_tuple(item):
     if isinstance(item, StreamToken):
         return (item.token, item.finish_reason, item.is_stop_token, item.logprob, item.top, item.cached_tokens,
-                item.time, item.prompt_logprobs)
+                item.time, item.prompt_logprobs, item.phases)
     return item
 
 

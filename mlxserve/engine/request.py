@@ -171,6 +171,15 @@ class TokenLogprob:
 
 
 @dataclass
+class FirstTokenPhases:
+    """Where a request's time to first token went, in seconds; they add up to it."""
+
+    queue: float  # arrival (the API handler's start) to admission: waiting for a slot or the admission window
+    prefill: float  # admission to the end of the pass that held the prompt's last chunk
+    first_step: float  # that to the first token out of the step that sampled it
+
+
+@dataclass
 class RequestOutput:
     """One step of a request's stream. The last one has `finished` set."""
 
@@ -183,6 +192,7 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     first_token_time: float | None = None  # seconds since arrival
+    first_token_phases: FirstTokenPhases | None = None  # on the first output
     error: str | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
     # With params.prompt_logprobs, on the first output: one per prompt token (None for the first).

@@ -13,6 +13,7 @@ verifies proposed tokens several at a time (engine/speculative.py).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,10 @@ class Sequence:
     whole: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprobs: list | None = None  # computed by a PromptScorer; its first event carries them
     queued_at: float = 0.0  # time.perf_counter() when the scheduler queued it
+    # Where its first token's time went (perf_counter): admitted (handed to the runner: the end
+    # of queueing) and prefill done (the pass holding its prompt's last chunk ended).
+    admitted_at: float | None = None
+    prefill_done_at: float | None = None
 
     def cut(self, done: int, n: int) -> int:
         """The next prefill pass's length from `done` tokens: at most n, ending at a checkpoint,
@@ -93,12 +98,16 @@ class TokenEvent:
     logprob: float | None = None
     top: list = field(default_factory=list)
     prompt_logprobs: list | None = None  # on the sequence's first event, when it asked for them
+    # On the sequence's first token: (admitted_at, prefill_done_at), its phases' ends before it.
+    phases: tuple[float | None, float | None] | None = None
 
 
 def _event(seq: Sequence, token: int | None, finish: str | None, row: mx.array | None) -> TokenEvent:
     # token None: a prompt-only request (max_tokens 0) that ends without generating.
     event = TokenEvent(seq, token, finish, prompt_logprobs=seq.prompt_logprobs)
     seq.prompt_logprobs = None
+    if token is not None and seq.num_generated == 1:  # every path counts a token before its event
+        event.phases = (seq.admitted_at, seq.prefill_done_at)
     if seq.request.params.logprobs and row is not None:
         event.logprob, event.top = top_logprobs(row, token, seq.request.params.top_logprobs)
     return event
@@ -222,6 +231,10 @@ class SoloDecoder:
         else:
             self.pending = None
         token = token_arr.item()
+        if seq.prefill_done_at is None:
+            # The pass of the prompt's last chunk also gave this first token: it ended when the
+            # token was read. (The solo path has no step between prefill and first token.)
+            seq.prefill_done_at = time.perf_counter()
         seq.num_generated += 1
         event = _event(seq, token, seq.finish_reason(token), row)
         if self.pending is not None:
@@ -523,6 +536,8 @@ class Runner:
         self.generator._generation_batch.row_logprobs = any(
             s.request.params.logprobs for s in self.batch.values())
         prompt_progress, responses = self.generator.next()
+        if prompt_progress:
+            _note_prefill_done(prompt_progress, self.batch)
         if self.prefix_cache is not None and prompt_progress:
             self._store_prompt_blocks()
         events = []
@@ -591,3 +606,16 @@ class Runner:
         if self.kv_blocks is not None:
             self.kv_blocks.merges.clear()  # a merge the failed step left halfway holds blocks
         return dropped
+
+
+def _note_prefill_done(prompt_progress, batch: dict[int, Sequence]) -> None:
+    """Mark the rows whose prompt's last chunk ran in this step (BatchGenerator.next() evaluates
+    its prefill pass before returning). mlx-lm keeps a prompt's last token for the row's first
+    decode input: a row is prefilled once all but that token are in, or when it leaves prefill
+    (end_of_prompt: a prompt of one token left). Its first token comes two steps later: the next
+    step feeds that last token and merges the row into the running batch, the one after samples."""
+    now = time.perf_counter()
+    for r in prompt_progress:
+        seq = batch.get(r.uid)
+        if seq is not None and seq.prefill_done_at is None and (r.end_of_prompt or r.progress[0] >= r.progress[1] - 1):
+            seq.prefill_done_at = now

@@ -86,7 +86,9 @@ class Scheduler:
         # In arrival order: a long request waiting for memory is not overtaken (and starved).
         if self._admit_now():
             while self.waiting and len(self.runner) < self.max_num_seqs and self._fits(self.waiting[0]):
-                events += self.runner.add(self.waiting.popleft())
+                seq = self.waiting.popleft()
+                seq.admitted_at = time.perf_counter()  # its queueing ends (this host's clock, as arrival's)
+                events += self.runner.add(seq)
         return events + self.runner.step()
 
 

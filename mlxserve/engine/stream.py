@@ -19,6 +19,8 @@ class StreamToken:
     cached_tokens: int
     time: float
     prompt_logprobs: list | None = None
+    # On a request's first token: (admitted, prefill done), perf_counter times (runner.TokenEvent.phases).
+    phases: tuple | None = None
 
 
 @dataclass
