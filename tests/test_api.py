@@ -812,7 +812,16 @@ def test_bench_serve(server, tmp_path):
     text = md.read_text()
     assert "commit:" in text and "backend:" in text and MODEL in text
     rows = [line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 4 |")]
-    assert len(rows) == 2
+    assert len(rows) == 4  # the level's numbers, and where its first tokens' time went
+    assert "Where the first token's time goes" in text
+    # Each level's phases, from the server's histograms between its first and last request, add up
+    # to its mean TTFT by the server's clock (below the client's, which adds HTTP on both ends).
+    (result,) = json.loads(next(tmp_path.glob("*.json")).read_text())["results"]
+    for row in result["rows"]:
+        phases = row["queue_mean_ms"] + row["prefill_mean_ms"] + row["first_step_mean_ms"]
+        assert min(row["queue_mean_ms"], row["prefill_mean_ms"], row["first_step_mean_ms"]) >= 0
+        assert phases == pytest.approx(row["server_ttft_mean_ms"], abs=0.5)
+        assert 0 < row["server_ttft_mean_ms"] <= row["ttft_p99_ms"]
     assert png.stat().st_size > 1000
 
 

@@ -50,6 +50,11 @@ def test_start_runs_mlxserve_and_mlx_lm_one_after_the_other(model_dir, tmp_path)
     side = text.split("## Side by side")[1]
     assert "mlxserve tok/s" in side and "mlx_lm tok/s" in side
     assert len([line for line in side.splitlines() if line.startswith(("| 1 |", "| 2 |"))]) == 2
+    # Where the first token's time goes: from mlxserve's /metrics; mlx_lm.server has none ("-").
+    assert all(row[key] >= 0 for row in mlxserve["rows"] for key in ("queue_mean_ms", "prefill_mean_ms",
+                                                                     "first_step_mean_ms"))
+    assert all(row["queue_mean_ms"] is None for row in mlx_lm["rows"])
+    assert side.splitlines()[4].endswith(" | - |")  # level 1's row: mlx_lm's phases, the last column
 
 
 def test_a_server_that_fails_to_start_is_reported_in_the_result(model_dir, tmp_path):

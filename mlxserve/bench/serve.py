@@ -235,6 +235,47 @@ COLUMNS = [
 ]
 
 
+# Where the first token's time goes, from the server's own histograms (mlxserve's /metrics):
+# (histogram, the row's key of its mean over one level, the column's title).
+PHASES = [
+    ("mlxserve_time_to_first_token_seconds", "server_ttft_mean_ms", "server TTFT mean ms"),
+    ("mlxserve_queue_seconds", "queue_mean_ms", "queue mean ms"),
+    ("mlxserve_prefill_seconds", "prefill_mean_ms", "prefill mean ms"),
+    ("mlxserve_first_step_seconds", "first_step_mean_ms", "first step mean ms"),
+]
+
+
+async def scrape_phases(client, url: str) -> dict | None:
+    """{histogram: (sum, count)} of PHASES from the server's /metrics; None where it has no such
+    metrics (another server, or mlxserve with /metrics behind a key it was not given)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = await client.get(url.rstrip("/").removesuffix("/v1") + "/metrics")
+        if r.status_code != 200:
+            return None
+        samples = {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples}
+    except (httpx.HTTPError, ValueError):
+        return None
+    names = [name for name, _, _ in PHASES]
+    if not all(f"{n}_sum" in samples and f"{n}_count" in samples for n in names):
+        return None
+    return {n: (samples[f"{n}_sum"], samples[f"{n}_count"]) for n in names}
+
+
+def phase_means(before: dict | None, after: dict | None) -> dict:
+    """Each phase's mean in ms over the requests between two scrapes (None where not exposed)."""
+    means = {key: None for _, key, _ in PHASES}
+    if before is None or after is None:
+        return means
+    for name, key, _ in PHASES:
+        count = after[name][1] - before[name][1]
+        if count > 0:
+            means[key] = (after[name][0] - before[name][0]) / count * 1000
+    return means
+
+
 def server_info(url: str, model: str | None, api_key: str | None) -> tuple[str, dict]:
     """The model to request, and what the server says about itself (mlxserve's /version)."""
     import httpx
@@ -263,6 +304,13 @@ def bench_server(args, url: str, model: str, levels: list[int]) -> list[dict]:
     args.url = url
     rng = random.Random(args.seed)  # the same prompts for every server
 
+    async def scrape():
+        import httpx
+
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        async with httpx.AsyncClient(headers=headers, timeout=min(args.timeout, 30)) as client:
+            return await scrape_phases(client, url)
+
     async def all_levels():
         # One short request first: the server's first request pays for warm-up (compilation,
         # allocation). It also finds servers that refuse `ignore_eos` (OpenAI's own does).
@@ -284,8 +332,9 @@ def bench_server(args, url: str, model: str, levels: list[int]) -> list[dict]:
                 warm, _ = await run_level(args, model, c, [make_prompt(rng, args.input_len) for _ in range(c)],
                                           None, output_len=4)
                 prompts = [make_prompt(rng, args.input_len) for _ in range(args.requests)]
+                before = await scrape()  # after the warm round: only this level's requests count
                 results, duration = await run_level(args, model, c, prompts, progress)
-                rows.append(summarize(c, results, duration))
+                rows.append({**summarize(c, results, duration), **phase_means(before, await scrape())})
                 if any(r.timed_out for r in warm + results):
                     rows[-1]["stopped"] = f"a request got no answer within {args.timeout:g} s"
                     print(f"{url}: {rows[-1]['stopped']} at concurrency {c}; the higher levels are not measured",
@@ -386,6 +435,10 @@ def run(args) -> int:
             md.append(f"## {r['label']}\n\nDid not run: {reason}\n" + (f"\n```\n{log.strip()}\n```\n" if log else ""))
             continue
         table = report.table([title for _, title in COLUMNS], [[row[k] for k, _ in COLUMNS] for row in r["rows"]])
+        phases = phase_table(r["rows"])
+        if phases:
+            table += ("\n\nWhere the first token's time goes (the server's own clock, from its arrival to the "
+                      "token leaving the engine; means over each level's requests):\n\n" + phases)
         print(f"\n{r['label']} ({r['url']}, model {r['model']})\n{table}")
         md.append(f"## {r['label']}\n\n- url: {r['url']}\n- model: {r['model']}\n"
                   + "".join(f"- {k}: {v}\n" for k, v in r["server"].items())
@@ -401,9 +454,11 @@ def run(args) -> int:
     if len(runs) > 1:
         compare = report.table(
             ["concurrency"] + [f"{r['label']} tok/s" for r in measured]
-            + [f"{r['label']} TTFT p50 ms" for r in measured],
+            + [f"{r['label']} TTFT p50 ms" for r in measured]
+            + [f"{r['label']} queue / prefill / first step ms" for r in measured],
             [[c] + [level(r, c, "output_tok_per_s") for r in measured]
-             + [level(r, c, "ttft_p50_ms") for r in measured] for c in levels])
+             + [level(r, c, "ttft_p50_ms") for r in measured]
+             + [phases_cell(r, c) for r in measured] for c in levels])
         missing = "".join(f"\n{r['label']}: did not run ({r['error'].splitlines()[0]})\n"
                           for r in runs if "error" in r)
         print("\n" + compare + missing)
@@ -411,6 +466,24 @@ def run(args) -> int:
     answered = any(row["failed"] < row["requests"] for r in runs for row in r["rows"])
     report.write_result("serve", info, "\n".join(md), runs, plot if answered else None, args.out_dir)
     return 0 if all("error" not in r and all(row["failed"] == 0 for row in r["rows"]) for r in runs) else 1
+
+
+def phase_table(rows: list[dict]) -> str | None:
+    """Per level, the server's mean TTFT and its phases ("-" where not exposed); None when no level has them."""
+    if not any(row.get(key) is not None for row in rows for _, key, _ in PHASES):
+        return None
+    from mlxserve.bench import report
+
+    return report.table(["concurrency"] + [title for _, _, title in PHASES],
+                        [[row["concurrency"]] + ["-" if row.get(key) is None else row[key] for _, key, _ in PHASES]
+                         for row in rows])
+
+
+def phases_cell(run: dict, concurrency: int) -> str:
+    """A run's queue / prefill / first step means at one level, "-" where it has none."""
+    row = next((row for row in run["rows"] if row["concurrency"] == concurrency), {})
+    means = [row.get(key) for _, key, _ in PHASES[1:]]
+    return "-" if None in means else " / ".join(f"{m:,.1f}" for m in means)
 
 
 def replot(json_path) -> None:
