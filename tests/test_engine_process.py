@@ -109,6 +109,9 @@ def test_streams_stop_strings_and_the_prefix_cache(remote):
     metrics = httpx.get(remote.url + "/metrics").text
     hits = next(line for line in metrics.splitlines() if line.startswith("prefix_cache_hits_tokens_total"))
     assert float(hits.split()[1]) >= 64
+    # Each request's first-token phases crossed the pipe with its first token (its 4 requests here).
+    timed = next(line for line in metrics.splitlines() if line.startswith("mlxserve_first_step_seconds_count"))
+    assert float(timed.split()[1]) >= 4
 
 
 def test_pins_and_bad_input_through_the_pipe(remote):
