@@ -350,7 +350,9 @@ class Runner:
         return BatchGenerator(
             self.model,
             completion_batch_size=self.max_num_seqs,
-            prefill_batch_size=self.prefill_batch_size,
+            # mlx-lm raises completion_batch_size to at least prefill_batch_size: with --admit-ahead
+            # (more sequences here than max_num_seqs) more than max_num_seqs would then decode.
+            prefill_batch_size=min(self.prefill_batch_size, self.max_num_seqs),
             prefill_step_size=self.prefill_chunk_size,
         )
 
