@@ -39,8 +39,8 @@ def test_batch_gives_the_same_tokens_and_rows_hold_their_own_blocks(tiny, monkey
 
     paged_batch.install()
     attended = []
-    monkeypatch.setattr(paged_batch, "paged_attention", lambda q, *a, _real=paged_batch.paged_attention, **k:
-                        attended.append(q.shape[2]) or _real(q, *a, **k))
+    monkeypatch.setattr(paged_batch, "paged_attention_gather", lambda q, *a, _real=paged_batch.paged_attention_gather,
+                        **k: attended.append(q.shape[2]) or _real(q, *a, **k))  # the CPU's path
     pool = paged.KVBlocks(BLOCK, paged.paged_layers(make_prompt_cache(model)))
     held = []
 

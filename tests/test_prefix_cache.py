@@ -35,8 +35,8 @@ def test_cache_hits_give_the_same_tokens(tiny, shape, layout, monkeypatch):
     from mlxserve.cache import paged_batch
 
     attended = []
-    monkeypatch.setattr(paged_batch, "paged_attention", lambda *a, _real=paged_batch.paged_attention, **k:
-                        attended.append(1) or _real(*a, **k))
+    monkeypatch.setattr(paged_batch, "paged_attention_gather", lambda *a, _real=paged_batch.paged_attention_gather,
+                        **k: attended.append(1) or _real(*a, **k))  # the CPU's path
     check_hits_give_the_same_tokens(tiny(shape), dict(CASES[shape], kv_layout=layout),
                                     block_granular=shape in BLOCK_GRANULAR)
     assert bool(attended) == (layout == "paged")

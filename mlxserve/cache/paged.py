@@ -22,6 +22,7 @@ from __future__ import annotations
 import weakref
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from mlxserve.cache.payload import KV
@@ -131,18 +132,26 @@ class KVBlocks:
 
     # ---- KV ----
 
-    def write(self, layer: int, ids: mx.array, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Scatter tokens into paged layer `layer`: keys, values (B, kv_heads, L, D); ids, slots
-        (B * L,) row-major, where each token goes."""
+    def write(self, layer: int, where: TokenSlots, keys: mx.array, values: mx.array) -> None:
+        """Scatter tokens into paged layer `layer`: keys, values (B, kv_heads, L, D), token b * L + l
+        going where `where` says."""
         B, heads, L, dk = keys.shape
-        dv = values.shape[3]
         if B * L == 0:
             return
+        if len(where) != B * L:
+            raise ValueError(f"{len(where)} places for {B * L} tokens")
         if self.keys[layer] is None:
             self.keys[layer] = mx.zeros((self.capacity, heads, self.block_size, dk), keys.dtype)
-            self.values[layer] = mx.zeros((self.capacity, heads, self.block_size, dv), values.dtype)
-        self.keys[layer][ids, :, slots] = keys.transpose(0, 2, 1, 3).reshape(B * L, heads, dk)
-        self.values[layer][ids, :, slots] = values.transpose(0, 2, 1, 3).reshape(B * L, heads, dv)
+            self.values[layer] = mx.zeros((self.capacity, heads, self.block_size, values.shape[3]), values.dtype)
+        rows = where.rows(heads)
+        for arrays, new in ((self.keys, keys), (self.values, values)):
+            pool, d = arrays[layer], new.shape[3]
+            # The pool seen as one row per (block, head, slot): one flat scatter, which MLX does in
+            # place (the pool's only reference is dropped here), and 3x cheaper to build than
+            # pool[ids, :, slots] = ... (a decode step makes it twice per layer).
+            flat = pool.reshape(-1, d)
+            flat[rows] = new.reshape(B * heads, d) if L == 1 else new.transpose(0, 2, 1, 3).reshape(-1, d)
+            arrays[layer] = flat.reshape(pool.shape)
 
     # ---- the prefix cache's blocks ----
 
@@ -177,10 +186,10 @@ class KVBlocks:
             return blocks
         sizes = [sizes[b] for b in todo]
         ids = self.allocate(len(todo))
-        where = mx.array([i for i, n in zip(ids, sizes) for _ in range(n)], dtype=mx.int32)
-        slots = mx.array([t for n in sizes for t in range(n)], dtype=mx.int32)
+        where = TokenSlots(np.array([i for i, n in zip(ids, sizes) for _ in range(n)]),
+                           np.array([t for n in sizes for t in range(n)]), self.block_size)
         for j, i in enumerate(self.layers):
-            self.write(j, where, slots, mx.concatenate([blocks[b][i].keys for b in todo], axis=2),
+            self.write(j, where, mx.concatenate([blocks[b][i].keys for b in todo], axis=2),
                        mx.concatenate([blocks[b][i].values for b in todo], axis=2))
         out, noted = [list(entries) for entries in blocks], {}
         for b, block, n in zip(todo, ids, sizes):
@@ -217,6 +226,27 @@ class KVBlocks:
         while len(refs) in blocks and (len(refs) + 1) * self.block_size <= owner.offset:
             refs.append(blocks[len(refs)])
         return refs
+
+
+class TokenSlots:
+    """Where tokens go in the pool: a block id and a slot per token (host arrays, token-major), and
+    per kv-head count the rows of a layer's pool seen as (capacity * heads * block_size, D) that
+    they fill, made once for every layer of that head count."""
+
+    def __init__(self, ids: np.ndarray, slots: np.ndarray, block_size: int):
+        self.ids, self.slots, self.block_size = ids.astype(np.int64), slots.astype(np.int64), block_size
+        self._rows = {}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def rows(self, heads: int) -> mx.array:
+        rows = self._rows.get(heads)
+        if rows is None:
+            flat = ((self.ids[:, None] * heads + np.arange(heads)) * self.block_size + self.slots[:, None]).reshape(-1)
+            rows = self._rows[heads] = mx.array(flat.astype(np.int32 if flat.size == 0 or flat.max() < 2**31
+                                                                    else np.int64))
+        return rows
 
 
 class BlockRef:

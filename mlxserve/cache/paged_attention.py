@@ -166,8 +166,7 @@ def paged_attention_kernel(queries, k_pool, v_pool, block_tables, kv_lens, scale
     B, q_heads, L, D = queries.shape
     _, kv_heads, block_size, _ = k_pool.shape
     warps, tiles, n_parts, per_part = launch_shape(queries, k_pool, block_tables)
-    params = mx.array([per_part, window or 0], dtype=mx.int32)
-    qscale = mx.array([scale * LOG2E], dtype=mx.float32)
+    params, qscale = _constants(per_part, window or 0, scale)
     build = _cuda_kernel if backend == "cuda" else _metal_kernel
     out, lse = build()(
         inputs=[queries, k_pool, v_pool, block_tables, kv_lens, params, qscale],
@@ -178,6 +177,12 @@ def paged_attention_kernel(queries, k_pool, v_pool, block_tables, kv_lens, scale
         output_dtypes=[mx.float32, mx.float32],
     )
     return _combine(out, lse, queries.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _constants(per_part: int, window: int, scale: float) -> tuple[mx.array, mx.array]:
+    """A launch's small inputs, made once per value: a decode step launches once per layer."""
+    return mx.array([per_part, window], dtype=mx.int32), mx.array([scale * LOG2E], dtype=mx.float32)
 
 
 def _combine(out: mx.array, lse: mx.array, dtype) -> mx.array:

@@ -24,6 +24,7 @@ the mask for that layout. Both are lazy: nothing is computed unless read.
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
@@ -32,8 +33,9 @@ import numpy as np
 from mlx_lm.models import base as _base
 from mlx_lm.models.cache import KVCache, _BaseCache
 
-from mlxserve.cache.paged import BlockRef, KVBlocks, PagedRow, pooled_kv
-from mlxserve.cache.paged_attention import paged_attention
+from mlxserve.cache.paged import BlockRef, KVBlocks, PagedRow, TokenSlots, pooled_kv
+from mlxserve.cache.paged_attention import (kernel_supports, paged_attention_gather,
+                                            paged_attention_kernel)
 
 KV_LAYOUTS = ("contiguous", "paged")
 
@@ -106,7 +108,7 @@ class PagedRows:
         self.lengths = lengths
         self.before: list[int] | None = None  # the lengths before the last update
         self.padding: list[int] | None = None  # a right-padded prefill's, until finalize
-        self.writes = None  # (block ids, slots) of the last update's tokens, for every layer
+        self.writes: TokenSlots | None = None  # where the last update's tokens go, for every layer
         self.ops = 0  # batch-wide calls applied
         self.last = None  # the last of them
         self._arrays = None
@@ -166,17 +168,16 @@ class PagedRows:
             self._row_refs = ((self.ops, row), [self.pool.ref(b) for b in self.tables[row]])
         return self._row_refs[1]
 
-    def positions(self, starts, ends) -> tuple[mx.array, mx.array]:
-        """(block ids, slots) of tokens [starts[r], ends[r]) of every row, row-major."""
+    def positions(self, starts, ends) -> TokenSlots:
+        """Where tokens [starts[r], ends[r]) of every row go, row-major."""
         bs = self.pool.block_size
         ids, slots = [], []
         for table, a, b in zip(self.tables, starts, ends):
             pos = np.arange(a, b)
-            ids.append(np.asarray(table, dtype=np.int32)[pos // bs] if len(pos) else pos)
+            ids.append(np.asarray(table, dtype=np.int64)[pos // bs] if len(pos) else pos)
             slots.append(pos % bs)
-        ids = np.concatenate(ids) if ids else np.zeros(0)
-        slots = np.concatenate(slots) if slots else np.zeros(0)
-        return mx.array(ids.astype(np.int32)), mx.array(slots.astype(np.int32))
+        return TokenSlots(np.concatenate(ids) if ids else np.zeros(0, np.int64),
+                          np.concatenate(slots) if slots else np.zeros(0, np.int64), bs)
 
     # ---- batch-wide calls ----
 
@@ -251,8 +252,7 @@ class PagedBatchKVCache(_BaseCache):
     def update_and_fetch(self, keys, values):
         n = keys.shape[2]
         self.rows.step(self, ("update", n), lambda: self.rows.update(n))
-        ids, slots = self.rows.writes
-        self.pool.write(self.layer, ids, slots, keys, values)
+        self.pool.write(self.layer, self.rows.writes, keys, values)
         return self.keys_and_values()
 
     def _gathered(self, pool: mx.array) -> mx.array:
@@ -293,9 +293,13 @@ class PagedBatchKVCache(_BaseCache):
     def attention(self, queries: mx.array, scale: float, window: int | None = None) -> mx.array:
         """Attention of the last update's queries over the rows' blocks."""
         table, lengths = self.rows.arrays()
-        kernel = "auto" if queries.shape[2] == 1 else "gather"  # prefill chunks: the gather path (measured)
-        return paged_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer], table, lengths,
-                               scale, window=window, kernel=kernel)
+        k, v = self.pool.keys[self.layer], self.pool.values[self.layer]
+        # Decode steps through the kernel where there is one, prefill chunks through the gather path
+        # (measured faster). The shapes are the batch's own: called per layer per step, this skips
+        # paged_attention's checks.
+        if queries.shape[2] == 1 and decode_kernel() and kernel_supports(queries, k):
+            return paged_attention_kernel(queries, k, v, table, lengths, scale, window, decode_kernel())
+        return paged_attention_gather(queries, k, v, table, lengths, scale, window)
 
     def pageable(self, queries) -> bool:
         """Whether `paged_attention` takes this layer (keys and values of one shape and the queries' dtype)."""
@@ -350,8 +354,7 @@ class PagedBatchKVCache(_BaseCache):
             keys = mx.concatenate([c.keys[..., c.start - c.keys_from:c.offset - c.keys_from, :] for c in full], axis=2)
             values = mx.concatenate([c.values[..., c.start - c.keys_from:c.offset - c.keys_from, :] for c in full],
                                     axis=2)
-            ids, slots = rows.writes
-            pool.write(layer, ids, slots, keys, values)
+            pool.write(layer, rows.writes, keys, values)
         return cls(rows, layer)
 
     def size(self):
@@ -397,6 +400,13 @@ class PagedKVCache(KVCache):
 
 
 # ---- attention ----
+
+@functools.cache
+def decode_kernel() -> str | None:
+    """The kernel decode steps use: "cuda" where MLX runs on a CUDA GPU, else None (the gather
+    path; the Metal kernel is opt-in: never measured)."""
+    return "cuda" if mx.default_device().type == mx.gpu and mx.cuda.is_available() else None
+
 
 _sdpa = _base.scaled_dot_product_attention
 
