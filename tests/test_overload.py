@@ -336,6 +336,8 @@ def test_kv_budget_counts_batches_at_their_longest_row():
     assert budget.admits([], 5000)  # alone, always: the queue must move
     assert budget.admits([200], 200) and budget.admits([200, 200], 200)  # 3 x 128 KB
     assert not budget.admits([300], 10)  # 2 rows padded to 512 tokens: 512 KB (their sum, 384 KB, would fit)
+    paged = KVBudget(KVFootprint(per_token=512, step=256), 448 * 1024, per_row=True)  # --kv-layout paged
+    assert paged.admits([300], 10) and not paged.admits([300, 10], 300)  # 384 KB; 640 KB
     assert budget.check(100, 600, explicit=True) == 600
     assert budget.check(100, 4000, explicit=False) == 668  # what fits: 768 tokens in all
     with pytest.raises(InsufficientMemoryError, match="--kv-memory"):

@@ -37,14 +37,21 @@ def gb(n: int) -> str:
 class KVBudget:
     """Bytes the running requests' KV cache may take, and who fits in them."""
 
-    def __init__(self, footprint: KVFootprint, budget: int):
+    def __init__(self, footprint: KVFootprint, budget: int, per_row: bool = False):
+        """per_row: rows cost their own length (--kv-layout paged: a row holds the blocks its
+        tokens fill), not the longest row's."""
         self.footprint = footprint
         self.budget = max(budget, 0)
+        self.per_row = per_row
 
     def need(self, lengths: list[int]) -> int:
         """The KV bytes of a batch of sequences of these full lengths. mlx-lm's batch caches
-        are left-padded to their longest row, so every row costs the longest one's bytes."""
-        return len(lengths) * self.footprint.bytes(max(lengths)) if lengths else 0
+        are padded to their longest row, so there every row costs the longest one's bytes."""
+        if not lengths:
+            return 0
+        if self.per_row:
+            return sum(self.footprint.bytes(n) for n in lengths)
+        return len(lengths) * self.footprint.bytes(max(lengths))
 
     def admits(self, running: list[int], length: int) -> bool:
         """Whether a sequence of `length` tokens may join the running ones now. Alone it always
@@ -84,18 +91,19 @@ def kv_budget_for(model, config, dequantize_kv: bool, prefix_cache, vision_cache
         (vision_cache.budget if vision_cache is not None else 0)
     # The weights are loaded and evaluated by now: MLX's active memory is mostly them.
     return kv_budget(footprint, config.kv_memory, memory=device_memory_limit(), weights=mx.get_active_memory(),
-                     caches=caches)
+                     caches=caches, per_row=config.kv_layout == "paged")
 
 
-def kv_budget(footprint: KVFootprint, setting: str, *, memory: int, weights: int, caches: int) -> KVBudget:
+def kv_budget(footprint: KVFootprint, setting: str, *, memory: int, weights: int, caches: int,
+              per_row: bool = False) -> KVBudget:
     """The budget for `--kv-memory`: a size, or auto: `memory` (what MLX may use) less the
     weights and the caches' budgets (prefix and vision caches)."""
     from mlxserve.cache.sizes import parse_size
 
     if str(setting).strip().lower() != "auto":
-        budget = KVBudget(footprint, parse_size(setting))
+        budget = KVBudget(footprint, parse_size(setting), per_row)
     else:
-        budget = KVBudget(footprint, memory - weights - caches)
+        budget = KVBudget(footprint, memory - weights - caches, per_row)
         if budget.budget <= 0:
             log.warning("no memory left for running requests' KV cache: MLX may use %s, the weights take %s "
                         "and the caches' budgets %s; every request will be refused (set --kv-memory, or "
