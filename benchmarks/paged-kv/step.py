@@ -1,0 +1,74 @@
+"""Decode step time of mlx-lm's BatchGenerator, its own batch caches against paged KV (issue 35).
+
+    python3 benchmarks/paged-kv/step.py MODEL_DIR [BATCHES]
+
+Per batch size: B prompts of 128 tokens prefilled, then 64 decode steps timed (wall and this
+process's CPU time per step), for: contiguous (mlx-lm's caches), paged (--kv-layout paged's
+caches), and paged-no-fetch (a measurement only: paged, but update_and_fetch returns no gathered
+KV, which qwen3's attention never reads under the paged wrapper: what those lazy arrays cost).
+Then a cProfile of paged steps at the largest batch (the host's top functions)."""
+
+import cProfile
+import pstats
+import sys
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxserve.cache import paged, paged_batch
+from mlxserve.engine import runner  # noqa: F401 - mlxserve's mlx-lm fixes, as the engine has them
+from mlxserve.models.load import load
+
+STEPS = 64
+
+
+def run(model, batch, layout, profile=None):
+    gen = BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=batch, prefill_step_size=2048)
+    caches = [make_prompt_cache(model) for _ in range(batch)]
+    if layout != "contiguous":
+        pool = paged.KVBlocks(256, paged.paged_layers(make_prompt_cache(model)))
+        caches = [paged_batch.adopt(pool, c) for c in caches]
+    prompts = [[(7 * r + 13 * i) % 1000 + 10 for i in range(128)] for r in range(batch)]
+    gen.insert(prompts, max_tokens=[STEPS + 8] * batch, caches=caches)
+    while len(gen._generation_batch) < batch:  # prefill and the first steps, untimed
+        gen.next()
+    for _ in range(4):
+        gen.next()
+    mx.synchronize()
+    if profile is not None:
+        profile.enable()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(STEPS):
+        gen.next()
+    mx.synchronize()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    if profile is not None:
+        profile.disable()
+    gen.close()
+    return wall / STEPS * 1e3, cpu / STEPS * 1e3
+
+
+def main():
+    model = load(sys.argv[1]).model
+    batches = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "1,4,16,32").split(",")]
+    paged_batch.install()
+    fetch = paged_batch.PagedBatchKVCache.keys_and_values
+    print(f"{mx.default_device()}, {STEPS} decode steps after 128-token prompts")
+    print("| batch | layout | ms/step | host CPU ms/step | tok/s |\n|---|---|---|---|---|")
+    for batch in batches:
+        for layout in ("contiguous", "paged", "paged-no-fetch"):
+            paged_batch.PagedBatchKVCache.keys_and_values = fetch if layout != "paged-no-fetch" else \
+                lambda self: (None, None)
+            run(model, batch, layout)  # warm: kernels for these shapes
+            ms, cpu = run(model, batch, layout)
+            print(f"| {batch} | {layout} | {ms:.2f} | {cpu:.2f} | {batch * 1e3 / ms:,.0f} |", flush=True)
+    paged_batch.PagedBatchKVCache.keys_and_values = fetch
+    prof = cProfile.Profile()
+    run(model, batches[-1], "paged", prof)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
