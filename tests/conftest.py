@@ -8,6 +8,18 @@ import pytest
 import mlxserve  # noqa: F401 - preloads OpenBLAS before MLX is imported
 
 
+def pytest_collection_finish(session):
+    """Once every test module is imported: collect, then freeze what is alive (as a server does
+    after loading, engine/pool.py freeze_heap). Each engine's stop runs a full collection, which
+    otherwise scanned the libraries' and test modules' objects every time: 0.18 s a stop, 26 s of
+    test_families.py's ~100 s; 1.4 s with them frozen. Only what is alive now is frozen (the
+    collection first), so no garbage is kept; objects tests make later are collected as before."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_model(shape: str):
     from mlxserve.models.load import load
