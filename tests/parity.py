@@ -96,13 +96,16 @@ def check_restart_from_disk(loaded, settings, folder):
     second = AsyncEngine(loaded, EngineConfig(**disk)).start()  # an empty hot tier: a restart
     try:
         (warm, warm_cached), = run(second, [prompt])
-        stats = asyncio.run(second.cache_stats())["prefix_cache"]
+        everything = asyncio.run(second.cache_stats())
+        stats = everything["prefix_cache"]
     finally:
         second.stop()
     assert cold == warm == ref
     # All but the last token, as from memory: the finished prompt's partial last block is on disk too.
     assert cold_cached == 0 and warm_cached == len(prompt) - 1
     assert stats["disk"]["reads"] >= 64 // bs
+    if settings.get("kv_layout") == "paged":  # blocks read back keep their KV in the batch's pool, for hits by reference
+        assert everything["paged_kv"]["cached_blocks"] >= stats["disk"]["reads"]
 
 
 def _ids(prompt):

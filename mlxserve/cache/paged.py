@@ -174,12 +174,13 @@ class KVBlocks:
             refs.append(first.ref)
         return refs
 
-    def pool_blocks(self, blocks: list[list], starts: list[int], cache_layers: list) -> list[list]:
+    def pool_blocks(self, blocks: list[list], starts: list[int], cache_layers: list | None) -> list[list]:
         """Blocks' payload entries extracted from a single sequence's cache (block i's tokens from
-        `starts[i]`), their paged layers' KV written into pool blocks (PooledKV) instead of kept as
-        arrays: one scatter per layer for them all. A whole block is noted on the cache (`note`),
-        so that the sequence's row, if it joins a paged batch, takes it by reference: it holds
-        this very KV. Blocks lacking a paged layer, or pooled already, stay as they are."""
+        `starts[i]`), or read back from the disk tier (no cache: None), their paged layers' KV
+        written into pool blocks (PooledKV) instead of kept as arrays: one scatter per layer for
+        them all. A whole block is noted on the cache (`note`), so that the sequence's row, if it
+        joins a paged batch, takes it by reference: it holds this very KV. Blocks lacking a paged
+        layer, or pooled already, stay as they are."""
         sizes = {b: self._tokens(entries) for b, entries in enumerate(blocks)}
         todo = [b for b, n in sizes.items() if 0 < n <= self.block_size]
         if not todo:
@@ -199,7 +200,7 @@ class KVBlocks:
             if n == self.block_size and starts[b] % n == 0:
                 noted[starts[b] // n] = ref
         self.release(ids)  # the BlockRefs' references are the blocks' ones
-        if noted:
+        if noted and cache_layers is not None:
             self.note(cache_layers, noted)
         return out
 

@@ -251,7 +251,7 @@ class PrefixCache:
         if self.disk is None or not from_disk:
             return blocks
         try:
-            return read_chain(self.pool, self.disk, hashes, blocks)
+            return read_chain(self.pool, self.disk, hashes, blocks, self.kv_pool)
         except Exception as e:  # noqa: BLE001 - the blocks found so far still serve
             self._fault("disk", e)
         return blocks
@@ -265,7 +265,7 @@ class PrefixCache:
             have = max((n for c, n in children if not has_state or n == len(c.token_ids)), default=0)
             return read_children(self.pool, self.disk, parent, rest, extra, have=have,
                                  limit=PARTIAL_CANDIDATES, block_size=self.block_size,
-                                 fingerprint=self.fingerprint, whole_only=has_state)
+                                 fingerprint=self.fingerprint, whole_only=has_state, kv_pool=self.kv_pool)
         except Exception as e:  # noqa: BLE001 - memory's children still serve
             self._fault("disk", e)
             return 0
