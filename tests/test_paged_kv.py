@@ -92,3 +92,29 @@ def test_paged_refuses_quantized_kv(tiny):
 
     with pytest.raises(EngineDeadError, match="--kv-layout paged takes text models without --kv-bits"):
         AsyncEngine(tiny("llama-tiny"), EngineConfig(kv_layout="paged", kv_bits=8, warmup=0)).start()
+
+
+def test_an_idle_pool_gives_back_what_a_burst_grew():
+    """The engine shrinks the pool while idle: the prefix cache's blocks move down, their KV intact."""
+    import mlx.core as mx
+    import numpy as np
+
+    pool = paged.KVBlocks(4, [0], initial_blocks=4)
+    burst = pool.allocate(16)  # rows of a burst: the pool grows to 16 blocks
+    where = paged.TokenSlots(np.repeat(np.array(burst), 4), np.tile(np.arange(4), 16), 4)
+    keys = mx.arange(64 * 2, dtype=mx.float32).reshape(1, 1, 64, 2)
+    pool.write(0, where, keys, -keys)
+    cached = [paged.PooledKV(pool.ref(b), 0, 4) for b in burst[-3:]]  # what the prefix cache keeps
+    kept = [(np.array(e.keys), np.array(e.values)) for e in cached]
+    row = pool.allocate(1)
+    pool.release(burst)
+    assert pool.shrink() == 0  # a running row holds a block: ids must stay
+    pool.release(row)
+    assert pool.shrink() == 28 and pool.capacity == 4  # it grew to 32 for the row and pool.keys[0].shape[0] == 4
+    assert sorted(e.ref.id for e in cached) == [0, 1, 2] and pool.free == [3]
+    for e, (k, v) in zip(cached, kept):
+        assert np.array_equal(np.array(e.keys), k) and np.array_equal(np.array(e.values), v)
+    assert pool.shrink() == 0  # nothing more to give back
+    assert set(pool.allocate(2)).isdisjoint({0, 1, 2})
+    del cached, e
+    assert pool.used_blocks == 2

@@ -111,6 +111,45 @@ class KVBlocks:
         self.free[:0] = range(new - 1, self.capacity - 1, -1)
         self.capacity = new
 
+    def shrink(self) -> int:
+        """Give back memory a burst made the pool grow to, when no running row holds a block (the
+        engine calls it while idle): the prefix cache's blocks move to the lowest free ids, and the
+        capacity halves while its upper half is free, down to `initial_blocks`. One copy of the
+        kept blocks per layer. Returns the blocks given back (0 if rows hold blocks or none are)."""
+        used = self.used_blocks
+        new = self.capacity
+        while new // 2 >= max(used, self.initial_blocks, 1):
+            new //= 2
+        if new == self.capacity or self.merges:
+            return 0
+        held = [i for i, n in enumerate(self.refs) if n]
+        if any(self.refs[i] != 1 or i not in self._block_refs for i in held):
+            return 0  # a row's table (or a hit on its way into one) holds blocks: their ids must stay
+        movers = [i for i in held if i >= new]
+        targets = [i for i in range(new) if not self.refs[i]][:len(movers)]
+        if movers:
+            src, dst = mx.array(movers, dtype=mx.int32), mx.array(targets, dtype=mx.int32)
+            for arrays in (self.keys, self.values):
+                for j, a in enumerate(arrays):
+                    if a is not None:
+                        a[dst] = a[src]
+                        arrays[j] = a
+        for arrays in (self.keys, self.values):
+            for j, a in enumerate(arrays):
+                if a is not None:
+                    arrays[j] = mx.contiguous(a[:new])  # a copy: a slice would keep the whole buffer
+        for old, block in zip(movers, targets):
+            ref = self._block_refs.pop(old)
+            ref._ids[0] = block
+            self._block_refs[block] = ref
+            self.refs[block], self.refs[old] = 1, 0
+        given = self.capacity - new
+        self.refs = self.refs[:new]
+        self.free = [i for i in range(new - 1, -1, -1) if not self.refs[i]]  # the lowest handed out first
+        self.capacity = new
+        mx.eval([a for arrays in (self.keys, self.values) for a in arrays if a is not None])
+        return given
+
     @property
     def used_blocks(self) -> int:
         return self.capacity - len(self.free)
@@ -251,14 +290,19 @@ class TokenSlots:
 
 
 class BlockRef:
-    """One reference to a pool block, given back when this object is collected."""
+    """One reference to a pool block, given back when this object is collected. Its block may
+    move (`KVBlocks.shrink`): readers take `id` when they read."""
 
-    __slots__ = ("pool", "id", "__weakref__")
+    __slots__ = ("pool", "_ids", "__weakref__")
 
     def __init__(self, pool: KVBlocks, block_id: int):
         pool.retain([block_id])
-        self.pool, self.id = pool, block_id
-        weakref.finalize(self, pool.release, [block_id])
+        self.pool, self._ids = pool, [block_id]
+        weakref.finalize(self, pool.release, self._ids)  # the list, so that a move carries over
+
+    @property
+    def id(self) -> int:
+        return self._ids[0]
 
 
 class PooledKV(KV):

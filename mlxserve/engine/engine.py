@@ -523,6 +523,8 @@ class AsyncEngine:
             if block and self.warmup is not None and self._commands.empty():
                 self._warm_up()  # one phase while idle: a request that arrives waits for it at most
                 continue
+            if block and self.kv_blocks is not None:
+                self.kv_blocks.shrink()  # idle: give back the paged pool's memory a burst grew
             if block:  # idle: sleep until a command arrives (wake now and then)
                 try:
                     commands.append(self._commands.get(timeout=idle_wait))
