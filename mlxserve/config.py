@@ -49,7 +49,10 @@ class ModelConfig:
 @dataclass
 class EngineConfig:
     max_num_seqs: int = setting(
-        32, "Most sequences decoded together in one batch."
+        # 64: at 64 streams on an H100 (0.6B, 128-token prompts) 32 slots left half the requests
+        # queued a whole request long (1.6-1.8 s mean queue, benchmarks/serve-cuda-20261128-0033);
+        # the KV budget (--kv-memory) still holds back what does not fit.
+        64, "Most sequences decoded together in one batch."
     )
     prefill_chunk_size: int | None = setting(
         None,

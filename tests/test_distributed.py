@@ -275,7 +275,7 @@ def test_ranks_with_different_settings_refuse_to_start(launch):
     ranks = launch("qwen3", ["--warmup", "0"], rank_args={1: ["--max-num-seqs", "3"]}, ready=False)
     codes = ranks.wait_exit(START_S)
     assert codes == [2, 2], ranks.output()
-    assert "max_num_seqs: rank 0 has 32, rank 1 has 3" in ranks.output()
+    assert "max_num_seqs: rank 0 has 64, rank 1 has 3" in ranks.output()
 
 
 def test_a_model_without_either_way_is_refused_naming_both():

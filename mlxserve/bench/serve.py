@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="With --start: seconds a server may take to load and answer /health.")
     p.add_argument("--concurrency", default="1,4,16", help="Comma-separated concurrency levels.")
-    p.add_argument("--requests", type=int, default=64, help="Requests per concurrency level.")
+    p.add_argument("--requests", type=int, default=64, help="Requests per concurrency level (at least one per stream).")
     p.add_argument("--input-len", type=int, default=128, help="Prompt length, in words (about one token each).")
     p.add_argument("--output-len", type=int, default=128, help="Output tokens per request.")
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
@@ -323,7 +323,7 @@ def bench_server(args, url: str, model: str, levels: list[int]) -> list[dict]:
         if not warm.ok:
             raise SystemExit(f"the warm-up request to {url} failed: {warm.error}")
         rows = []
-        with tqdm(total=args.requests * len(levels), unit="req", file=sys.stderr) as progress:
+        with tqdm(total=sum(max(args.requests, c) for c in levels), unit="req", file=sys.stderr) as progress:
             for c in levels:
                 progress.set_description(f"concurrency {c}")
                 # An unmeasured round at this concurrency first: GPU backends compile
@@ -331,7 +331,8 @@ def bench_server(args, url: str, model: str, levels: list[int]) -> list[dict]:
                 # it (MLX's compiled-kernel cache is shared by the servers of one run).
                 warm, _ = await run_level(args, model, c, [make_prompt(rng, args.input_len) for _ in range(c)],
                                           None, output_len=4)
-                prompts = [make_prompt(rng, args.input_len) for _ in range(args.requests)]
+                # At least one request per stream: fewer would never have `c` in flight.
+                prompts = [make_prompt(rng, args.input_len) for _ in range(max(args.requests, c))]
                 before = await scrape()  # after the warm round: only this level's requests count
                 results, duration = await run_level(args, model, c, prompts, progress)
                 rows.append({**summarize(c, results, duration), **phase_means(before, await scrape())})
@@ -425,7 +426,7 @@ def run(args) -> int:
 
     command = "mlxserve bench serve " + " ".join(sys.argv[3:])
     md = [report.header("Serving benchmark", info, command),
-          f"{args.requests} streamed {args.endpoint} requests per level; prompts of {args.input_len} "
+          f"{args.requests} streamed {args.endpoint} requests per level (or one per stream, if more); prompts of {args.input_len} "
           f"random words, {args.output_len} output tokens, greedy. TTFT: send to first content. "
           "ITL: gaps between streamed chunks. Per-request tok/s: (output tokens - 1) / (end - first "
           "token). Output tok/s and req/s: totals over the level's wall time.\n"]
