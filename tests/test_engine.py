@@ -204,6 +204,60 @@ def test_admit_ahead_refills_a_freed_slot_one_step_sooner(tiny):
     assert first_ahead["r0"] == first["r0"] and most == most_ahead == 2  # never more than 2 decode at once
 
 
+def test_batched_first_token_comes_the_step_after_its_prefill(tiny):
+    """Requests joining a running batch: each one's first token comes out of the step after the one
+    that prefills its prompt's last chunk (engine/batch_generator.py), one step sooner than with
+    mlx-lm's own BatchGenerator (which feeds the prompt's last token a step later); tokens unchanged."""
+    from mlx_lm.generate import BatchGenerator as MlxLmBatchGenerator
+
+    from mlxserve.engine.runner import Runner
+    from mlxserve.engine.scheduler import Scheduler
+
+    loaded = tiny("qwen3-tiny")
+    prompts = prompts_for(3)  # 40, 45, 50 tokens
+
+    def run(mlx_lm_own):
+        runner = Runner(loaded.model, max_num_seqs=4, prefill_chunk_size=16, prefill_batch_size=4,
+                        solo_fast_path=False)
+        if mlx_lm_own:
+            runner.generator = MlxLmBatchGenerator(loaded.model, completion_batch_size=4, prefill_batch_size=4,
+                                                   prefill_step_size=16)
+        scheduler = Scheduler(runner, eos_token_ids=[], vocab_size=loaded.config["vocab_size"], max_num_seqs=4)
+        scheduler.add(Request(prompts[0], greedy(16), request_id="r0"), 16)
+        got, first, steps = {f"r{i}": [] for i in range(3)}, {}, 0
+        while scheduler.has_work():
+            steps += 1
+            if steps == 6:  # r0 decodes by now; both are admitted in this step
+                for i in (1, 2):
+                    scheduler.add(Request(prompts[i], greedy(8), request_id=f"r{i}"), 8)
+            for e in scheduler.step():
+                first.setdefault(e.seq.request_id, steps - (1 if e.seq.request_id == "r0" else 6) + 1)
+                got[e.seq.request_id].append(e.token)
+        return got, first  # first: the steps from admission to the first token, admission's included
+
+    got, first = run(False)
+    got_mlx_lm, first_mlx_lm = run(True)
+    assert got == got_mlx_lm and [len(t) for t in got.values()] == [16, 8, 8]
+    # Prefill of all but the last prompt token in chunks of 16 (r0: 3 steps, r1: 3, r2: 4), then one step.
+    assert first == {"r0": 3 + 1, "r1": 3 + 1, "r2": 4 + 1}
+    assert first_mlx_lm == {"r0": 3 + 2, "r1": 3 + 2, "r2": 4 + 2}
+
+
+def test_batch_generator_copy_matches_installed_mlx_lm():
+    """engine/batch_generator.py copies mlx-lm's BatchGenerator._next: an mlx-lm whose _next changed
+    must be read against the copy (and the hash moved) before it is used."""
+    import hashlib
+    import inspect
+
+    from mlx_lm.generate import BatchGenerator as MlxLmBatchGenerator
+
+    from mlxserve.engine.batch_generator import MLX_LM_NEXT_SHA256
+
+    source = inspect.getsource(MlxLmBatchGenerator._next)
+    assert hashlib.sha256(source.encode()).hexdigest() == MLX_LM_NEXT_SHA256, (
+        "mlx-lm's BatchGenerator._next changed: review mlxserve/engine/batch_generator.py against it")
+
+
 def test_abort_frees_the_slot(tiny):
     engine = AsyncEngine(tiny("qwen3-tiny"), EngineConfig()).start()
     try:

@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, generation_stream
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import trim_prompt_cache
 
 from mlxserve.cache import chunked, paged, paged_batch
 from mlxserve.cache.quantized import make_cache, set_dequantize
 from mlxserve.engine import grammar as constrained
+from mlxserve.engine.batch_generator import BatchGenerator
 from mlxserve.engine.compiled import CompiledDecode, compilable
 from mlxserve.engine.grammar import grammar_of
 from mlxserve.engine.media import MediaPrefill
@@ -354,6 +355,8 @@ class Runner:
             # (more sequences here than max_num_seqs) more than max_num_seqs would then decode.
             prefill_batch_size=min(self.prefill_batch_size, self.max_num_seqs),
             prefill_step_size=self.prefill_chunk_size,
+            # Inside the step: a row whose prefill ends leaves the prompt batch in that same step.
+            on_prefill=self._store_prompt_blocks if self.prefix_cache is not None else None,
         )
 
     @property
@@ -540,8 +543,6 @@ class Runner:
         prompt_progress, responses = self.generator.next()
         if prompt_progress:
             _note_prefill_done(prompt_progress, self.batch)
-        if self.prefix_cache is not None and prompt_progress:
-            self._store_prompt_blocks()
         events = []
         for r in responses:
             seq = self.batch.get(r.uid)
@@ -575,14 +576,13 @@ class Runner:
             if im.start + im.num_tokens <= covered and im.content_hash not in pending:
                 self.vision_cache.release(im.content_hash)
 
-    def _store_prompt_blocks(self) -> None:
+    def _store_prompt_blocks(self, batch) -> None:
         """Store the blocks each prompt completed in this step's prefill chunk.
 
-        Reads the BatchGenerator's prompt batch between steps (mlx-lm has no
-        public accessor for it): its rows, their batched caches and the tokens
-        each row's cache holds.
+        The BatchGenerator calls it after each prefill pass with its prompt batch
+        (engine/batch_generator.py), before rows whose prefill ended leave it: its
+        rows, their batched caches and the tokens each row's cache holds.
         """
-        batch = self.generator._prompt_batch
         for row, uid in enumerate(batch.uids):
             seq = self.batch.get(uid)
             if seq is not None:
@@ -614,8 +614,9 @@ def _note_prefill_done(prompt_progress, batch: dict[int, Sequence]) -> None:
     """Mark the rows whose prompt's last chunk ran in this step (BatchGenerator.next() evaluates
     its prefill pass before returning). mlx-lm keeps a prompt's last token for the row's first
     decode input: a row is prefilled once all but that token are in, or when it leaves prefill
-    (end_of_prompt: a prompt of one token left). Its first token comes two steps later: the next
-    step feeds that last token and merges the row into the running batch, the one after samples."""
+    (end_of_prompt: a prompt of one token left). The same step feeds that last token and merges
+    the row into the running batch (engine/batch_generator.py); the next step's decode emits its
+    first token."""
     now = time.perf_counter()
     for r in prompt_progress:
         seq = batch.get(r.uid)
