@@ -8,16 +8,19 @@ import pytest
 import mlxserve  # noqa: F401 - preloads OpenBLAS before MLX is imported
 
 
-def pytest_collection_finish(session):
-    """Once every test module is imported: collect, then freeze what is alive (as a server does
-    after loading, engine/pool.py freeze_heap). Each engine's stop runs a full collection, which
-    otherwise scanned the libraries' and test modules' objects every time: 0.18 s a stop, 26 s of
-    test_families.py's ~100 s; 1.4 s with them frozen. Only what is alive now is frozen (the
-    collection first), so no garbage is kept; objects tests make later are collected as before."""
+@pytest.fixture(autouse=True, scope="module")
+def frozen_heap():
+    """Each module starts with what is alive frozen (collected first, so no garbage is kept), as a
+    server freezes it after loading (engine/pool.py freeze_heap). Each engine's stop runs a full
+    collection, which otherwise scanned the libraries' and test modules' ~130k objects every time:
+    0.1-0.2 s a stop, 26 s of test_families.py's ~100 s, 35 s of test_architectures.py's ~195 s
+    (1.4 s and 3.7 s frozen). A server's stop unfreezes it all (pool.stop): then the next module
+    freezes it again."""
     import gc
 
-    gc.collect()
-    gc.freeze()
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
 
 
 @functools.lru_cache(maxsize=None)
