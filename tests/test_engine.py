@@ -171,10 +171,11 @@ def test_arrivals_while_decoding_are_admitted_together(tiny):
     assert all(len(t) == 12 for t in got.values())
 
 
-def test_admit_ahead_refills_a_freed_slot_one_step_sooner(tiny):
-    """--admit-ahead: a request beyond --max-num-seqs waits in BatchGenerator's queue, so the step
-    whose decode ends a running request also prefills it: its first token comes a step sooner
-    than when the scheduler admits it at the next step; tokens are unchanged."""
+def test_admit_ahead_changes_neither_tokens_nor_the_decoding_limit(tiny):
+    """--admit-ahead: a request beyond --max-num-seqs waits in BatchGenerator's queue; tokens are
+    unchanged and no more than --max-num-seqs decode at once. (It refilled a slot freed by a step's
+    decode a step sooner while mlx-lm's step decoded before it prefilled; engine/batch_generator.py's
+    step prefills first, so the scheduler refills that slot at the very next prefill too.)"""
     from mlxserve.engine.runner import Runner
     from mlxserve.engine.scheduler import Scheduler
 
@@ -200,14 +201,15 @@ def test_admit_ahead_refills_a_freed_slot_one_step_sooner(tiny):
     got, first, most = run(0)
     got_ahead, first_ahead, most_ahead = run(1)
     assert got_ahead == got and [len(t) for t in got.values()] == [3, 8, 6]
-    assert first_ahead["r2"] == first["r2"] - 1
+    assert first_ahead["r2"] == first["r2"]
     assert first_ahead["r0"] == first["r0"] and most == most_ahead == 2  # never more than 2 decode at once
 
 
-def test_batched_first_token_comes_the_step_after_its_prefill(tiny):
-    """Requests joining a running batch: each one's first token comes out of the step after the one
-    that prefills its prompt's last chunk (engine/batch_generator.py), one step sooner than with
-    mlx-lm's own BatchGenerator (which feeds the prompt's last token a step later); tokens unchanged."""
+def test_batched_first_token_comes_out_of_the_step_that_ends_its_prefill(tiny):
+    """Requests joining a running batch: each one's first token comes out of the step that prefills
+    its prompt's last chunk (engine/batch_generator.py), two steps sooner than with mlx-lm's own
+    BatchGenerator (which feeds the prompt's last token a step later, and decodes before it
+    prefills); tokens unchanged."""
     from mlx_lm.generate import BatchGenerator as MlxLmBatchGenerator
 
     from mlxserve.engine.runner import Runner
@@ -238,8 +240,8 @@ def test_batched_first_token_comes_the_step_after_its_prefill(tiny):
     got, first = run(False)
     got_mlx_lm, first_mlx_lm = run(True)
     assert got == got_mlx_lm and [len(t) for t in got.values()] == [16, 8, 8]
-    # Prefill of all but the last prompt token in chunks of 16 (r0: 3 steps, r1: 3, r2: 4), then one step.
-    assert first == {"r0": 3 + 1, "r1": 3 + 1, "r2": 4 + 1}
+    # The prefill of all but the last prompt token, in chunks of 16: r0 3 steps, r1 3, r2 4.
+    assert first == {"r0": 3, "r1": 3, "r2": 4}
     assert first_mlx_lm == {"r0": 3 + 2, "r1": 3 + 2, "r2": 4 + 2}
 
 

@@ -356,7 +356,7 @@ class Runner:
             prefill_batch_size=min(self.prefill_batch_size, self.max_num_seqs),
             prefill_step_size=self.prefill_chunk_size,
             # Inside the step: a row whose prefill ends leaves the prompt batch in that same step.
-            on_prefill=self._store_prompt_blocks if self.prefix_cache is not None else None,
+            on_prefill=self._prefilled,
         )
 
     @property
@@ -540,9 +540,7 @@ class Runner:
         # is in `batch` before its first step.
         self.generator._generation_batch.row_logprobs = any(
             s.request.params.logprobs for s in self.batch.values())
-        prompt_progress, responses = self.generator.next()
-        if prompt_progress:
-            _note_prefill_done(prompt_progress, self.batch)
+        _, responses = self.generator.next()  # the prompts' progress went to _prefilled
         events = []
         for r in responses:
             seq = self.batch.get(r.uid)
@@ -576,12 +574,18 @@ class Runner:
             if im.start + im.num_tokens <= covered and im.content_hash not in pending:
                 self.vision_cache.release(im.content_hash)
 
+    def _prefilled(self, batch, prompt_progress) -> None:
+        """The BatchGenerator's step ran its prefill pass (engine/batch_generator.py): `batch`
+        is its prompt batch before the rows whose prefill ended leave it."""
+        _note_prefill_done(prompt_progress, self.batch)
+        if self.prefix_cache is not None:
+            self._store_prompt_blocks(batch)
+
     def _store_prompt_blocks(self, batch) -> None:
         """Store the blocks each prompt completed in this step's prefill chunk.
 
-        The BatchGenerator calls it after each prefill pass with its prompt batch
-        (engine/batch_generator.py), before rows whose prefill ended leave it: its
-        rows, their batched caches and the tokens each row's cache holds.
+        Reads the prompt batch's rows, their batched caches and the tokens each
+        row's cache holds.
         """
         for row, uid in enumerate(batch.uids):
             seq = self.batch.get(uid)
@@ -611,12 +615,12 @@ class Runner:
 
 
 def _note_prefill_done(prompt_progress, batch: dict[int, Sequence]) -> None:
-    """Mark the rows whose prompt's last chunk ran in this step (BatchGenerator.next() evaluates
-    its prefill pass before returning). mlx-lm keeps a prompt's last token for the row's first
-    decode input: a row is prefilled once all but that token are in, or when it leaves prefill
-    (end_of_prompt: a prompt of one token left). The same step feeds that last token and merges
-    the row into the running batch (engine/batch_generator.py); the next step's decode emits its
-    first token."""
+    """Mark the rows whose prompt's last chunk ran in this step's prefill pass (called as it ends:
+    BatchGenerator evaluates it). mlx-lm keeps a prompt's last token for the row's first decode
+    input: a row is prefilled once all but that token are in, or when it leaves prefill
+    (end_of_prompt: a prompt of one token left). The rest of the step feeds that last token,
+    merges the row into the running batch and decodes it (engine/batch_generator.py): its first
+    token comes out of the same step."""
     now = time.perf_counter()
     for r in prompt_progress:
         seq = batch.get(r.uid)
