@@ -34,6 +34,13 @@ def prompt_of(n, seed):
     return [rng.randrange(100, 20000) for _ in range(n)]
 
 
+def hit_prompts():
+    """check_hits_give_the_same_tokens' prompts: first, other (sharing its first 70 tokens) and
+    partial (sharing 40)."""
+    shared = prompt_of(70, 1)  # longer than gemma3-tiny's window
+    return shared + prompt_of(5, 2), shared + prompt_of(9, 3), shared[:40] + prompt_of(20, 4)
+
+
 def check_hits_give_the_same_tokens(loaded, settings, block_granular=False):
     """Greedy tokens with the cache off, cold, on a full hit, a partial hit and in a batch are identical.
 
@@ -44,8 +51,7 @@ def check_hits_give_the_same_tokens(loaded, settings, block_granular=False):
     def cached(n):
         return n // bs * bs if block_granular else n
 
-    shared = prompt_of(70, 1)  # longer than gemma3-tiny's window
-    first, other, partial = shared + prompt_of(5, 2), shared + prompt_of(9, 3), shared[:40] + prompt_of(20, 4)
+    first, other, partial = hit_prompts()
     off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
     try:
         reference = [run(off, [p])[0][0] for p in (first, other, partial)]
@@ -76,15 +82,20 @@ def check_hits_give_the_same_tokens(loaded, settings, block_granular=False):
     return stats, reference
 
 
-def check_restart_from_disk(loaded, settings, folder):
-    """Blocks written to a disk tier come back in a new engine (a restart) with the same tokens."""
+def check_restart_from_disk(loaded, settings, folder, prompt=None, ref=None):
+    """Blocks written to a disk tier come back in a new engine (a restart) with the same tokens.
+
+    `prompt` (70 tokens or more) and `ref`, its greedy tokens with the cache off, if known
+    (check_hits_give_the_same_tokens' first prompt and reference): no engine is started for them."""
     bs = settings["block_size"]
-    prompt = prompt_of(70, 11)
-    off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
-    try:
-        (ref, _), = run(off, [prompt])
-    finally:
-        off.stop()
+    if prompt is None:
+        prompt = prompt_of(70, 11)
+    if ref is None:
+        off = AsyncEngine(loaded, EngineConfig(prefix_cache=False, **settings)).start()
+        try:
+            (ref, _), = run(off, [prompt])
+        finally:
+            off.stop()
     disk = dict(disk_cache_dir=str(folder), **settings)
     first = AsyncEngine(loaded, EngineConfig(**disk)).start()
     try:

@@ -20,7 +20,7 @@ from mlxserve.engine.request import SamplingParams
 from mlxserve.models.families import unbatchable_layers
 from mlxserve.models.load import load
 
-from parity import check_hits_give_the_same_tokens, check_restart_from_disk, prompt_of, run
+from parity import check_hits_give_the_same_tokens, check_restart_from_disk, hit_prompts, prompt_of, run
 
 CONFIGS = json.loads((Path(__file__).parent / "families.json").read_text())
 SHAPES = ["qwen3.5-tiny", "gemma4-tiny", "gpt-oss-tiny", "lfm2-tiny"]
@@ -51,12 +51,14 @@ def recurrent(loaded) -> bool:
 def test_family_is_served_batched_and_cached(name, layout, folder, tmp_path):
     loaded = family(name, folder)
     settings = dict(SETTINGS, kv_layout=layout)
-    stats, _ = check_hits_give_the_same_tokens(loaded, settings, block_granular=recurrent(loaded))
+    stats, reference = check_hits_give_the_same_tokens(loaded, settings, block_granular=recurrent(loaded))
     assert stats["disabled"] is None and stats["misses"]["unrestorable"] == 0
     # The engine (which installs mlxserve's mlx-lm fixes) batches every cache layer of it.
     assert unbatchable_layers(loaded.model) == []
     # Paged: the restarted engine's hit goes through the batch (a lone request runs apart from it).
-    check_restart_from_disk(loaded, dict(settings, solo_fast_path=layout == "contiguous"), tmp_path / "kv")
+    # Its prompt is the first above, whose tokens with the cache off are known.
+    check_restart_from_disk(loaded, dict(settings, solo_fast_path=layout == "contiguous"), tmp_path / "kv",
+                            prompt=hit_prompts()[0], ref=reference[0])
 
     # Per-request sampling inside a batch: a seeded request draws the same tokens beside others.
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=8, ignore_eos=True)
