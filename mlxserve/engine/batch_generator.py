@@ -39,13 +39,13 @@ _generate = importlib.import_module("mlx_lm.generate")
 PromptProcessingBatch = _generate.PromptProcessingBatch
 
 # sha256 of `inspect.getsource(mlx_lm.generate.BatchGenerator._next)` in mlx-lm 0.32.2, the code
-# `_next` below copies. tests/test_batch_generator.py fails when it changes: an mlx-lm upgrade
+# `_next` below copies. tests/test_engine.py fails when it changes: an mlx-lm upgrade
 # must be read against this copy before the pin moves.
 MLX_LM_NEXT_SHA256 = "eb3a4e361dc2c19eafd28e901155828fd4602d63e26c431ca9ffbf079302c665"
 
 
 class BatchGenerator(_generate.BatchGenerator):
-    """mlx-lm's, whose step prefills, moves the rows whose prefill that ended to decoding, then
+    """mlx-lm's, whose step prefills, moves the rows that prefill pass ended to decoding, then
     decodes (their first token included).
 
     on_prefill(prompt_batch, prompt_responses): called in a step with prompt work, after its
