@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default=None, help="Weight dtype (default: per backend).")
     p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
                    help="Quantized KV in the engine's runs (generate_step and BatchGenerator stay unquantized).")
-    p.add_argument("--kv-layout", default="contiguous", choices=("contiguous", "paged"),
+    p.add_argument("--kv-layout", default="auto", choices=("auto", "contiguous", "paged"),
                    help="The engine's batch KV layout (serve's --kv-layout); the bare BatchGenerator stays mlx-lm's.")
     p.add_argument("--out-dir", default="benchmarks")
     p.add_argument("--replot", metavar="JSON", help="Only redraw the PNG of an earlier result.")
@@ -200,9 +200,8 @@ def run(args) -> int:
     if args.kv_bits:
         md.append(f"The engine's runs use {report.kv_label(args.kv_bits)}; generate_step and the bare "
                   "BatchGenerator run unquantized.\n")
-    if args.kv_layout != "contiguous":
-        md.append(f"The engine's batch keeps its KV {args.kv_layout} (--kv-layout); the bare BatchGenerator "
-                  "runs mlx-lm's own caches.\n")
+    md.append(f"The engine's batch KV layout: --kv-layout {args.kv_layout} (auto: paged for text models without "
+              "--kv-bits); the bare BatchGenerator runs mlx-lm's own caches.\n")
     for r in results:
         gs = r["single"]["generate_step"]
         md.append(f"## {r['label']} ({r['name']})\n")

@@ -376,9 +376,11 @@ class AsyncEngine:
 
         cfg = self.config
         dequantize_kv = dequantized_attention(cfg.kv_attention)
-        if cfg.kv_layout == "paged" and (cfg.kv_bits or self.loaded.vision is not None):
+        pageable = not cfg.kv_bits and self.loaded.vision is None
+        if cfg.kv_layout == "paged" and not pageable:
             raise ValueError("--kv-layout paged takes text models without --kv-bits (paged KV is not "
                              "quantized, and vision-language models' attention is mlx-vlm's own)")
+        kv_layout = cfg.kv_layout if cfg.kv_layout != "auto" else "paged" if pageable else "contiguous"
         if cfg.kv_bits:
             check_kv_bits(self.loaded.model, cfg.kv_bits, dequantize=dequantize_kv)
         dense_prefill(self.loaded, cfg.dense_from)
@@ -436,7 +438,7 @@ class AsyncEngine:
                           solo_fast_path=solo_path, prefix_cache=prefix_cache, vision=self.loaded.vision,
                           vision_cache=self.vision_cache, vision_step_s=cfg.vision_step_ms / 1e3,
                           kv_bits=cfg.kv_bits, dequantize_kv=dequantize_kv,
-                          kv_layout=cfg.kv_layout, block_size=cfg.block_size,
+                          kv_layout=kv_layout, block_size=cfg.block_size,
                           keep_image_embeddings=cfg.keep_image_embeddings, speculation=speculation,
                           compile_decode=compiled_decode_wanted(cfg.compile_decode))
 
@@ -445,7 +447,8 @@ class AsyncEngine:
                              max_num_seqs=max_num_seqs, kv_budget=kv_budget, admission_window_s=admission_window_s,
                              admit_ahead=admit_ahead)
 
-        self.kv_budget = kv_budget_for(self.loaded.model, cfg, dequantize_kv, self.prefix_cache, self.vision_cache)
+        self.kv_budget = kv_budget_for(self.loaded.model, cfg, dequantize_kv, self.prefix_cache, self.vision_cache,
+                                       per_row=kv_layout == "paged")
         scheduler = make_scheduler(make_runner(self.prefix_cache, cfg.prefill_chunk_size, self.speculation),
                                    self.kv_budget, cfg.admission_window_ms / 1e3,
                                    0 if unbatchable else cfg.admit_ahead)  # one at a time: nothing to wait beside

@@ -73,7 +73,8 @@ class KVBudget:
         )
 
 
-def kv_budget_for(model, config, dequantize_kv: bool, prefix_cache, vision_cache) -> KVBudget | None:
+def kv_budget_for(model, config, dequantize_kv: bool, prefix_cache, vision_cache,
+                  per_row: bool = False) -> KVBudget | None:
     """The engine's budget (on the MLX thread, once the weights and caches exist); None when the
     model's cache cannot be measured: then admission counts slots only."""
     import mlx.core as mx
@@ -91,7 +92,7 @@ def kv_budget_for(model, config, dequantize_kv: bool, prefix_cache, vision_cache
         (vision_cache.budget if vision_cache is not None else 0)
     # The weights are loaded and evaluated by now: MLX's active memory is mostly them.
     return kv_budget(footprint, config.kv_memory, memory=device_memory_limit(), weights=mx.get_active_memory(),
-                     caches=caches, per_row=config.kv_layout == "paged")
+                     caches=caches, per_row=per_row)
 
 
 def kv_budget(footprint: KVFootprint, setting: str, *, memory: int, weights: int, caches: int,
