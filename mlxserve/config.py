@@ -138,9 +138,10 @@ class EngineConfig:
         "Where the running batch keeps the KV of full-attention layers. paged: a block pool (blocks "
         "of --block-size tokens), each request a table of block ids, attention reading the blocks, "
         "cache hits taken by reference (docs/paged-kv.md); contiguous: mlx-lm's batch caches (rows "
-        "padded to the longest, copied on every admission and removal). auto: paged for text "
-        "models without --kv-bits (measured faster at 4-64 streams on an H100), contiguous for "
-        "the others. Other layers (sliding window, recurrent) keep their caches either way.",
+        "padded to the longest, copied on every admission and removal). auto: paged on CUDA for "
+        "text models without --kv-bits (measured faster there at 4-64 streams), contiguous "
+        "elsewhere (on Metal paged decoding takes the gather path until its kernel is measured on "
+        "a Mac; on the CPU it measured slower). Other layers (sliding window, recurrent) keep their caches either way.",
         choices=("auto", "contiguous", "paged"),
     )
     disk_cache_dir: str | None = setting(

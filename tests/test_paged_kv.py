@@ -4,6 +4,7 @@ own batch caches, rows holding only the blocks their tokens fill, every block gi
 The engine-level checks (cache hits, batches, --kv-layout paged) are tests/test_prefix_cache.py's
 and tests/test_families.py's, parametrized over the layout."""
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -92,6 +93,22 @@ def test_paged_refuses_quantized_kv(tiny):
 
     with pytest.raises(EngineDeadError, match="--kv-layout paged takes text models without --kv-bits"):
         AsyncEngine(tiny("llama-tiny"), EngineConfig(kv_layout="paged", kv_bits=8, warmup=0)).start()
+
+
+def test_auto_layout_is_paged_on_cuda_only(tiny):
+    """The default (auto) runs paged where it measured faster: CUDA; contiguous elsewhere."""
+    import asyncio
+
+    from mlxserve.config import EngineConfig
+    from mlxserve.engine.engine import AsyncEngine
+
+    engine = AsyncEngine(tiny("llama-tiny"), EngineConfig(warmup=0)).start()
+    try:
+        assert ("paged_kv" in asyncio.run(engine.cache_stats())) == mx.cuda.is_available()
+    finally:
+        engine.stop()
+    assert EngineConfig().kv_layout == "auto"
+    assert paged_batch.decode_kernel() == ("cuda" if mx.cuda.is_available() else None)
 
 
 def test_an_idle_pool_gives_back_what_a_burst_grew():

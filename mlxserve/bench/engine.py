@@ -200,8 +200,8 @@ def run(args) -> int:
     if args.kv_bits:
         md.append(f"The engine's runs use {report.kv_label(args.kv_bits)}; generate_step and the bare "
                   "BatchGenerator run unquantized.\n")
-    md.append(f"The engine's batch KV layout: --kv-layout {args.kv_layout} (auto: paged for text models without "
-              "--kv-bits); the bare BatchGenerator runs mlx-lm's own caches.\n")
+    md.append(f"The engine's batch KV layout: --kv-layout {args.kv_layout} (auto: paged on CUDA for text models "
+              "without --kv-bits); the bare BatchGenerator runs mlx-lm's own caches.\n")
     for r in results:
         gs = r["single"]["generate_step"]
         md.append(f"## {r['label']} ({r['name']})\n")

@@ -367,6 +367,7 @@ class AsyncEngine:
         from mlxserve.engine.runner import Runner
         from mlxserve.engine.compiled import wanted as compiled_decode_wanted
         from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
+        from mlxserve.cache import paged_batch
         from mlxserve.engine.scheduler import Scheduler
         from mlxserve.engine.speculative import make_speculation
         from mlxserve.engine.warmup import make_warmup
@@ -380,7 +381,10 @@ class AsyncEngine:
         if cfg.kv_layout == "paged" and not pageable:
             raise ValueError("--kv-layout paged takes text models without --kv-bits (paged KV is not "
                              "quantized, and vision-language models' attention is mlx-vlm's own)")
-        kv_layout = cfg.kv_layout if cfg.kv_layout != "auto" else "paged" if pageable else "contiguous"
+        # auto: paged where it was measured faster (CUDA, its decode kernel); on Metal its decode would take
+        # the gather path (the Metal kernel has never run), and on the CPU that path measured slower.
+        kv_layout = cfg.kv_layout if cfg.kv_layout != "auto" else \
+            "paged" if pageable and paged_batch.decode_kernel() == "cuda" else "contiguous"
         if cfg.kv_bits:
             check_kv_bits(self.loaded.model, cfg.kv_bits, dequantize=dequantize_kv)
         dense_prefill(self.loaded, cfg.dense_from)
