@@ -226,14 +226,6 @@ class EngineConfig:
         "reach the engine one by one over HTTP). An idle engine admits at once. 0: admit each at "
         "the next step.",
     )
-    admit_ahead: int = setting(
-        0,
-        "Requests handed to mlx-lm's BatchGenerator beyond --max-num-seqs, to wait in its own queue: "
-        "when a running request ends, the step that ended it prefills the next one, instead of "
-        "the step after (the scheduler counts free slots between steps). Up to this many more "
-        "prompts' KV is held, and while earlier ones still await their merge, up to --prefill-batch-size "
-        "more may decode at once. Text requests only; 0: off.",
-    )
     dense_from: int | None = setting(
         None,
         "Tokens a call needs before a quantized layer dequantizes its weight and multiplies densely "

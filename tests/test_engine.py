@@ -171,40 +171,6 @@ def test_arrivals_while_decoding_are_admitted_together(tiny):
     assert all(len(t) == 12 for t in got.values())
 
 
-def test_admit_ahead_changes_neither_tokens_nor_the_decoding_limit(tiny):
-    """--admit-ahead: a request beyond --max-num-seqs waits in BatchGenerator's queue; tokens are
-    unchanged and no more than --max-num-seqs decode at once. (It refilled a slot freed by a step's
-    decode a step sooner while mlx-lm's step decoded before it prefilled; engine/batch_generator.py's
-    step prefills first, so the scheduler refills that slot at the very next prefill too.)"""
-    from mlxserve.engine.runner import Runner
-    from mlxserve.engine.scheduler import Scheduler
-
-    loaded = tiny("qwen3-tiny")
-    prompts = prompts_for(3)
-
-    def run(ahead):
-        runner = Runner(loaded.model, max_num_seqs=2, prefill_chunk_size=64, prefill_batch_size=2)
-        scheduler = Scheduler(runner, eos_token_ids=[], vocab_size=loaded.config["vocab_size"], max_num_seqs=2,
-                              admit_ahead=ahead)
-        for i, n in enumerate((3, 8, 6)):  # r0 ends first and frees the slot r2 waits for
-            scheduler.add(Request(prompts[i], greedy(n), request_id=f"r{i}"), n)
-        got, first, most = {f"r{i}": [] for i in range(3)}, {}, 0
-        steps = 0
-        while scheduler.has_work():
-            steps += 1
-            for e in scheduler.step():
-                first.setdefault(e.seq.request_id, steps)
-                got[e.seq.request_id].append(e.token)
-            most = max(most, len(runner.generator._generation_batch))
-        return got, first, most
-
-    got, first, most = run(0)
-    got_ahead, first_ahead, most_ahead = run(1)
-    assert got_ahead == got and [len(t) for t in got.values()] == [3, 8, 6]
-    assert first_ahead["r2"] == first["r2"]
-    assert first_ahead["r0"] == first["r0"] and most == most_ahead == 2  # never more than 2 decode at once
-
-
 def test_batched_first_token_comes_out_of_the_step_that_ends_its_prefill(tiny):
     """Requests joining a running batch: each one's first token comes out of the step that prefills
     its prompt's last chunk (engine/batch_generator.py), two steps sooner than with mlx-lm's own

@@ -446,16 +446,14 @@ class AsyncEngine:
                           keep_image_embeddings=cfg.keep_image_embeddings, speculation=speculation,
                           compile_decode=compiled_decode_wanted(cfg.compile_decode))
 
-        def make_scheduler(runner, kv_budget=None, admission_window_s=0.0, admit_ahead=0):
+        def make_scheduler(runner, kv_budget=None, admission_window_s=0.0):
             return Scheduler(runner, eos_token_ids=self.tokenizer.eos_token_ids, vocab_size=self.loaded.vocab_size,
-                             max_num_seqs=max_num_seqs, kv_budget=kv_budget, admission_window_s=admission_window_s,
-                             admit_ahead=admit_ahead)
+                             max_num_seqs=max_num_seqs, kv_budget=kv_budget, admission_window_s=admission_window_s)
 
         self.kv_budget = kv_budget_for(self.loaded.model, cfg, dequantize_kv, self.prefix_cache, self.vision_cache,
                                        per_row=kv_layout == "paged")
         scheduler = make_scheduler(make_runner(self.prefix_cache, cfg.prefill_chunk_size, self.speculation),
-                                   self.kv_budget, cfg.admission_window_ms / 1e3,
-                                   0 if unbatchable else cfg.admit_ahead)  # one at a time: nothing to wait beside
+                                   self.kv_budget, cfg.admission_window_ms / 1e3)
         self.kv_blocks = scheduler.runner.kv_blocks
         if cfg.warmup > 0:
             self.warmup = make_warmup(cfg, self.loaded, self.prefix_cache, max_num_seqs, self.max_model_len,

@@ -351,9 +351,7 @@ class Runner:
         return BatchGenerator(
             self.model,
             completion_batch_size=self.max_num_seqs,
-            # mlx-lm raises completion_batch_size to at least prefill_batch_size: with --admit-ahead
-            # (more sequences here than max_num_seqs) more than max_num_seqs would then decode.
-            prefill_batch_size=min(self.prefill_batch_size, self.max_num_seqs),
+            prefill_batch_size=self.prefill_batch_size,
             prefill_step_size=self.prefill_chunk_size,
             # Inside the step: a row whose prefill ends leaves the prompt batch in that same step.
             on_prefill=self._prefilled,

@@ -18,11 +18,8 @@ from mlxserve.engine.sampling import make_processors, make_sampler, make_stop_se
 
 class Scheduler:
     def __init__(self, runner: Runner, *, eos_token_ids, vocab_size: int, max_num_seqs: int, kv_budget=None,
-                 admission_window_s: float = 0.0, admit_ahead: int = 0):
+                 admission_window_s: float = 0.0):
         self.runner = runner
-        if admit_ahead < 0:
-            raise ValueError(f"--admit-ahead must be 0 or more, got {admit_ahead}")
-        self.admit_ahead = admit_ahead  # --admit-ahead
         self.admission_window_s = admission_window_s  # --admission-window-ms
         self.kv_budget = kv_budget
         self.eos_token_ids = set(eos_token_ids)
@@ -84,21 +81,11 @@ class Scheduler:
             return True
         return self.clock() - self.waiting[0].queued_at >= self.admission_window_s
 
-    def _slots(self, seq: Sequence) -> int:
-        """How many sequences the runner may hold with this one next. --admit-ahead: text requests
-        beyond max_num_seqs wait in BatchGenerator's own queue, which refills a slot in the same
-        call whose decode freed it (mlx-lm's BatchGenerator._next decodes, then fills its prefill
-        batch); counted here, a slot freed during a step is seen only at the next one."""
-        request = seq.request
-        if self.admit_ahead and not request.images and request.params.prompt_logprobs is None:
-            return self.max_num_seqs + self.admit_ahead
-        return self.max_num_seqs
-
     def step(self) -> list[TokenEvent]:
         events = []
         # In arrival order: a long request waiting for memory is not overtaken (and starved).
         if self._admit_now():
-            while self.waiting and len(self.runner) < self._slots(self.waiting[0]) and self._fits(self.waiting[0]):
+            while self.waiting and len(self.runner) < self.max_num_seqs and self._fits(self.waiting[0]):
                 seq = self.waiting.popleft()
                 seq.admitted_at = time.perf_counter()  # its queueing ends (this host's clock, as arrival's)
                 events += self.runner.add(seq)
