@@ -51,7 +51,7 @@ def test_serve_help_shows_each_settings_default():
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())  # argparse wraps lines
     assert "Port to listen on. (default: 8000)" in text
-    assert "Most sequences decoded together in one batch. (default: 32)" in text
+    assert "Most sequences decoded together in one batch. (default: 64)" in text
     assert "chain-hashed blocks). (default: on)" in text
 
 

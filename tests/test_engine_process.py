@@ -240,4 +240,4 @@ def test_step_outputs_that_do_not_pickle_fail_their_requests_instead_of_hanging(
     assert kind == "out" and counts == [2, 0, 7] and set(failed) == {"a", "b"}
     assert all(len(items) == 1 and isinstance(items[0], StreamFailure) and "pickle" in items[0].message
                for items in failed.values())
-    assert pickle.loads(here.recv_bytes()) == ("out", {"a": [(5, None, False, None, None, 0, 0.0, None)]}, 1, 0, 8)
+    assert pickle.loads(here.recv_bytes()) == ("out", {"a": [(5, None, False, None, None, 0, 0.0, None, None)]}, 1, 0, 8)
