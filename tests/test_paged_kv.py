@@ -91,7 +91,7 @@ def test_paged_refuses_quantized_kv(tiny):
     from mlxserve.config import EngineConfig
     from mlxserve.engine.engine import AsyncEngine, EngineDeadError
 
-    with pytest.raises(EngineDeadError, match="--kv-layout paged takes text models without --kv-bits"):
+    with pytest.raises(EngineDeadError, match="--kv-layout paged takes mlx-lm's text models without --kv-bits"):
         AsyncEngine(tiny("llama-tiny"), EngineConfig(kv_layout="paged", kv_bits=8, warmup=0)).start()
 
 
@@ -135,3 +135,30 @@ def test_an_idle_pool_gives_back_what_a_burst_grew():
     assert set(pool.allocate(2)).isdisjoint({0, 1, 2})
     del cached, e
     assert pool.used_blocks == 2
+
+
+def test_a_model_that_reshapes_its_kv_before_attention_is_served_alike(tmp_path):
+    """plamo tiles its KV heads before attention (query head h reads kv head h % kv_heads): the paged
+    batch must attend over what the model passes, not its blocks read as GQA. Batched, cached, from
+    disk: the same tokens as alone with the cache off."""
+    from mlxserve.models.load import load
+    from parity import check_served_alike
+
+    loaded = load("plamo", load_format="dummy", progress=False)
+    settings = dict(block_size=16, prefill_chunk_size=32, checkpoint_interval=1, warmup=0, kv_layout="paged")
+    serving, _ = check_served_alike(loaded, settings, tmp_path / "kv")
+    assert serving["batches"] and serving["caches"]
+
+
+def test_paged_refuses_mlx_vlm_text_models():
+    """mlx-vlm's language models (served as text) make their own masks and attention."""
+    import pytest
+
+    from mlxserve.config import EngineConfig
+    from mlxserve.engine.engine import AsyncEngine, EngineDeadError
+    from mlxserve.models.load import load
+
+    loaded = load("qwen3_5_text", load_format="dummy", progress=False)
+    assert not paged_batch.attends_through_mlx_lm(loaded.model)
+    with pytest.raises(EngineDeadError, match="mlx-vlm's models"):
+        AsyncEngine(loaded, EngineConfig(kv_layout="paged", warmup=0)).start()

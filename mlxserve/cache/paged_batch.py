@@ -239,6 +239,7 @@ class PagedBatchKVCache(_BaseCache):
         self.rows = rows
         self.layer = layer
         self.ops = rows.ops  # batch-wide calls this layer has made (PagedRows.step)
+        self.fetched = None  # what update_and_fetch returned last
 
     @property
     def pool(self) -> KVBlocks:
@@ -253,7 +254,8 @@ class PagedBatchKVCache(_BaseCache):
         n = keys.shape[2]
         self.rows.step(self, ("update", n), lambda: self.rows.update(n))
         self.pool.write(self.layer, self.rows.writes, keys, values)
-        return self.keys_and_values()
+        self.fetched = self.keys_and_values()
+        return self.fetched
 
     def _gathered(self, pool: mx.array) -> mx.array:
         table, _ = self.rows.arrays()
@@ -401,6 +403,13 @@ class PagedKVCache(KVCache):
 
 # ---- attention ----
 
+def attends_through_mlx_lm(model) -> bool:
+    """Whether the model's layers are mlx-lm's, whose attention and masks the paged batch serves
+    (mlx-lm's scaled_dot_product_attention, wrapped by `install`, and create_attention_mask, which
+    asks the cache for its mask); mlx-vlm's language models (served as text too) make their own."""
+    return not any(type(m).__module__.startswith("mlx_vlm") for _, m in model.named_modules())
+
+
 @functools.cache
 def decode_kernel() -> str | None:
     """The kernel decode steps use: "cuda" where MLX runs on a CUDA GPU, else None (the gather
@@ -413,7 +422,11 @@ _sdpa = _base.scaled_dot_product_attention
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's, but a paged layer's attention reads its blocks (`paged_attention`)."""
-    if isinstance(cache, PagedBatchKVCache) and sinks is None and cache.pageable(queries):
+    # Only on the KV update_and_fetch returned: a model that changed it first (plamo tiles its
+    # heads, which pairs query head h with kv head h % kv_heads, not GQA's h // group) gets MLX's
+    # attention on what it passes.
+    if isinstance(cache, PagedBatchKVCache) and sinks is None and cache.fetched is not None and \
+            keys is cache.fetched[0] and values is cache.fetched[1] and cache.pageable(queries):
         ours, window = cache.window_of(mask)
         if ours:
             return cache.attention(queries, scale, window)

@@ -377,10 +377,11 @@ class AsyncEngine:
 
         cfg = self.config
         dequantize_kv = dequantized_attention(cfg.kv_attention)
-        pageable = not cfg.kv_bits and self.loaded.vision is None
+        pageable = not cfg.kv_bits and self.loaded.vision is None and \
+            paged_batch.attends_through_mlx_lm(self.loaded.model)
         if cfg.kv_layout == "paged" and not pageable:
-            raise ValueError("--kv-layout paged takes text models without --kv-bits (paged KV is not "
-                             "quantized, and vision-language models' attention is mlx-vlm's own)")
+            raise ValueError("--kv-layout paged takes mlx-lm's text models without --kv-bits (paged KV is not "
+                             "quantized, and mlx-vlm's models, vision-language or text, attend their own way)")
         # auto: paged where it was measured faster (CUDA, its decode kernel); on Metal its decode would take
         # the gather path (the Metal kernel has never run), and on the CPU that path measured slower.
         kv_layout = cfg.kv_layout if cfg.kv_layout != "auto" else \
