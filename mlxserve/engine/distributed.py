@@ -76,8 +76,7 @@ class DistributedEngine(AsyncEngine):
         if config.warmup:  # its phases run when the engine idles: a time no two ranks share
             log.info("the warm-up is off across processes (it runs while idle, which the ranks time apart)")
         changes = {"warmup": 0.0, "speculative": None}
-        if config.kv_layout == "auto":  # paged KV across ranks is untested: the layout measured there
-            changes["kv_layout"] = "contiguous"
+        changes["kv_layout"] = "contiguous"  # auto (ranks.load_rank refuses paged): as the GPUs were measured
         if config.disk_cache_dir:  # each rank's blocks hold its own slice of the KV
             changes["disk_cache_dir"] = str(Path(config.disk_cache_dir).expanduser()
                                              / f"rank{self.rank}-of-{sharding.size}")

@@ -90,6 +90,8 @@ def load_rank(model_cfg, engine_cfg):
             raise ValueError("speculative decoding is not served across processes: drop --draft-model/--speculative")
         if engine_cfg.engine_process:
             raise ValueError("--engine-process does not combine with serving across processes")
+        if engine_cfg.kv_layout == "paged":  # a pipeline-parallel MoE gave other tokens with it (a CPU run)
+            raise ValueError("--kv-layout paged does not run across processes yet: leave it auto (contiguous there)")
         loaded = load_configured(model_cfg, sharding=sharding)
     except Exception as e:  # noqa: BLE001 - reported by every rank, below
         error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
