@@ -367,7 +367,7 @@ class AsyncEngine:
         from mlxserve.engine.runner import Runner
         from mlxserve.engine.compiled import wanted as compiled_decode_wanted
         from mlxserve.cache.quantized import check_kv_bits, dequantized_attention
-        from mlxserve.cache import paged_batch
+        from mlxserve.engine import caches
         from mlxserve.engine.scheduler import Scheduler
         from mlxserve.engine.speculative import make_speculation
         from mlxserve.engine.warmup import make_warmup
@@ -377,49 +377,12 @@ class AsyncEngine:
 
         cfg = self.config
         dequantize_kv = dequantized_attention(cfg.kv_attention)
-        pageable = not cfg.kv_bits and self.loaded.vision is None and \
-            paged_batch.attends_through_mlx_lm(self.loaded.model)
-        if cfg.kv_layout == "paged" and not pageable:
-            raise ValueError("--kv-layout paged takes mlx-lm's text models without --kv-bits (paged KV is not "
-                             "quantized, and mlx-vlm's models, vision-language or text, attend their own way)")
-        # auto: paged where it was measured faster (CUDA, its decode kernel); on Metal its decode would take
-        # the gather path (the Metal kernel has never run), and on the CPU that path measured slower.
-        kv_layout = cfg.kv_layout if cfg.kv_layout != "auto" else \
-            "paged" if pageable and paged_batch.decode_kernel() == "cuda" else "contiguous"
+        kv_layout = caches.kv_layout(cfg, self.loaded)
         if cfg.kv_bits:
             check_kv_bits(self.loaded.model, cfg.kv_bits, dequantize=dequantize_kv)
         dense_prefill(self.loaded, cfg.dense_from)
-        self.prefix_cache = None
-        if cfg.prefix_cache:
-            from mlxserve.cache import BlockPool, PrefixCache, parse_size
-
-            # Blocks hold KV as the engine computes it: quantized KV, and how attention
-            # reads it (which changes later layers' KV), is another fingerprint.
-            kv = f"/kv{cfg.kv_bits}{'d' if dequantize_kv else 'q'}" if cfg.kv_bits else ""
-            fingerprint = self.loaded.fingerprint + kv + _runtime()
-            disk = None
-            if cfg.disk_cache_dir:
-                from mlxserve.cache.disk import DiskTier
-
-                disk = DiskTier(cfg.disk_cache_dir, parse_size(cfg.disk_cache_size),
-                                write_rate=parse_size(cfg.disk_cache_write_rate) or None,
-                                daily_writes=parse_size(cfg.disk_cache_daily_writes) or None)
-            self.prefix_cache = PrefixCache(BlockPool(parse_size(cfg.cache_memory)),
-                                            cfg.block_size,
-                                            fingerprint, model=self.loaded.model, disk=disk,
-                                            checkpoint_interval=cfg.checkpoint_interval)
-            log.info("%s", self.prefix_cache.describe())
-        self.vision_cache = None
-        if self.loaded.vision is not None:
-            from mlxserve.cache import parse_size
-            from mlxserve.multimodal.vision_cache import VisionCache
-
-            from mlxserve.engine.stepwise import make_pausable
-
-            budget = parse_size(cfg.vision_cache_memory)
-            scope = (self.loaded.fingerprint, self.loaded.vision.settings_key())
-            self.vision_cache = VisionCache(budget, scope) if budget > 0 else None
-            make_pausable(self.loaded.vision.tower_blocks())  # where a tower pass may yield to decoding
+        self.prefix_cache = caches.prefix_cache(cfg, self.loaded, dequantize_kv)
+        self.vision_cache = caches.vision_cache(cfg, self.loaded)
         max_num_seqs = cfg.max_num_seqs
         unbatchable = unbatchable_layers(self.loaded.model)
         if unbatchable:
@@ -653,20 +616,6 @@ def _release_streams() -> None:
         mx.clear_streams()
     except Exception:  # noqa: BLE001 - the thread is ending anyway
         log.exception("releasing the engine thread's MLX streams")
-
-
-def _runtime() -> str:
-    """The libraries that compute the KV: blocks kept on disk across an upgrade of them must
-    not be reused (the same model could give slightly different KV)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def of(package: str) -> str:
-        try:
-            return version(package)
-        except PackageNotFoundError:
-            return "?"
-
-    return "".join(f"/{p}{of(p)}" for p in ("mlx", "mlx-lm", "mlx-vlm", "mlxserve"))
 
 
 def _deliver(deliveries) -> None:
