@@ -190,7 +190,6 @@ def test_dense_tensor_parallel_same_tokens_batched_cached_and_from_disk(launch, 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(r["disk"]["writes"] >= 4 for r in per_rank(ranks)):
         time.sleep(0.2)
-    print("DISKWAIT", time.monotonic() - deadline + 30, per_rank(ranks))
     again = ranks.complete_all(PROMPTS)
     assert texts(again) == want
     assert max(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in again) >= 32
