@@ -127,16 +127,12 @@ class KVBlocks:
             return 0  # a row's table (or a hit on its way into one) holds blocks: their ids must stay
         movers = [i for i in held if i >= new]
         targets = [i for i in range(new) if not self.refs[i]][:len(movers)]
-        if movers:
-            src, dst = mx.array(movers, dtype=mx.int32), mx.array(targets, dtype=mx.int32)
-            for arrays in (self.keys, self.values):
-                for j, a in enumerate(arrays):
-                    if a is not None:
-                        a[dst] = a[src]
-                        arrays[j] = a
+        src, dst = mx.array(movers, dtype=mx.int32), mx.array(targets, dtype=mx.int32)
         for arrays in (self.keys, self.values):
             for j, a in enumerate(arrays):
                 if a is not None:
+                    if movers:
+                        a[dst] = a[src]
                     arrays[j] = mx.contiguous(a[:new])  # a copy: a slice would keep the whole buffer
         for old, block in zip(movers, targets):
             ref = self._block_refs.pop(old)

@@ -77,8 +77,7 @@ def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, block
     """
     check_inputs(queries, k_pool, v_pool, block_tables, kv_lens, window)
     if kernel == "auto":
-        on_gpu = mx.default_device().type == mx.gpu
-        kernel = "cuda" if on_gpu and mx.cuda.is_available() and kernel_supports(queries, k_pool) else "gather"
+        kernel = (kernel_here() if kernel_supports(queries, k_pool) else None) or "gather"
     if kernel == "gather":
         return paged_attention_gather(queries, k_pool, v_pool, block_tables, kv_lens, scale, window)
     if kernel not in ("cuda", "metal"):
@@ -87,6 +86,12 @@ def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, block
         raise ValueError(f"the {kernel} kernel takes head dims {KERNEL_HEAD_DIMS} and float32, float16 or "
                          f"bfloat16; got {queries.shape[-1]} and {queries.dtype}")
     return paged_attention_kernel(queries, k_pool, v_pool, block_tables, kv_lens, scale, window, kernel)
+
+
+def kernel_here() -> str | None:
+    """The kernel `auto` picks on this device: "cuda" where MLX runs on a CUDA GPU, else None (the
+    gather path; the Metal kernel is opt-in: never measured)."""
+    return "cuda" if mx.default_device().type == mx.gpu and mx.cuda.is_available() else None
 
 
 def check_inputs(queries, k_pool, v_pool, block_tables, kv_lens, window) -> None:

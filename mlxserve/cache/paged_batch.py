@@ -34,7 +34,7 @@ from mlx_lm.models import base as _base
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from mlxserve.cache.paged import BlockRef, KVBlocks, PagedRow, TokenSlots, pooled_kv
-from mlxserve.cache.paged_attention import (kernel_supports, paged_attention_gather,
+from mlxserve.cache.paged_attention import (kernel_here, kernel_supports, paged_attention_gather,
                                             paged_attention_kernel)
 
 KV_LAYOUTS = ("contiguous", "paged")
@@ -253,6 +253,7 @@ class PagedBatchKVCache(_BaseCache):
     def update_and_fetch(self, keys, values):
         n = keys.shape[2]
         self.rows.step(self, ("update", n), lambda: self.rows.update(n))
+        self.fetched = None  # the last step's lazy reads of the pool go before the write, which is then in place
         self.pool.write(self.layer, self.rows.writes, keys, values)
         self.fetched = self.keys_and_values()
         return self.fetched
@@ -410,11 +411,8 @@ def attends_through_mlx_lm(model) -> bool:
     return not any(type(m).__module__.startswith("mlx_vlm") for _, m in model.named_modules())
 
 
-@functools.cache
-def decode_kernel() -> str | None:
-    """The kernel decode steps use: "cuda" where MLX runs on a CUDA GPU, else None (the gather
-    path; the Metal kernel is opt-in: never measured)."""
-    return "cuda" if mx.default_device().type == mx.gpu and mx.cuda.is_available() else None
+# The kernel decode steps use (paged_attention's auto), looked up once: every layer asks every step.
+decode_kernel = functools.cache(kernel_here)
 
 
 _sdpa = _base.scaled_dot_product_attention

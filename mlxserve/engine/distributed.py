@@ -75,8 +75,8 @@ class DistributedEngine(AsyncEngine):
         config = with_backend_defaults(config)
         if config.warmup:  # its phases run when the engine idles: a time no two ranks share
             log.info("the warm-up is off across processes (it runs while idle, which the ranks time apart)")
-        changes = {"warmup": 0.0, "speculative": None}
-        changes["kv_layout"] = "contiguous"  # auto (ranks.load_rank refuses paged): as the GPUs were measured
+        # kv_layout: auto means contiguous here (ranks.load_rank refuses paged), as the GPUs were measured.
+        changes = {"warmup": 0.0, "speculative": None, "kv_layout": "contiguous"}
         if config.disk_cache_dir:  # each rank's blocks hold its own slice of the KV
             changes["disk_cache_dir"] = str(Path(config.disk_cache_dir).expanduser()
                                              / f"rank{self.rank}-of-{sharding.size}")
