@@ -57,6 +57,18 @@ def test_batch_gives_the_same_tokens_and_rows_hold_their_own_blocks(tiny, monkey
     assert generate(model, prompts, pool, watch=watch) == reference
     assert 1 in attended and max(attended) > 1  # decode steps and prefill chunks read the blocks
     assert max(held) > 0 and pool.used_blocks == 0  # every finished row gave its blocks back
+    pool.fetch_read = False  # update_and_fetch returns stand-ins: only the attention reads the KV
+    assert generate(model, prompts, pool) == reference
+
+
+def test_stand_ins_only_where_nothing_but_attention_reads_the_kv(tiny):
+    """fetch_is_read runs the model with NaN stand-ins for the KV update_and_fetch returns: gemma3's
+    layers (sliding ones beside them) pass it to attention only; plamo tiles it first, so it must
+    get the real KV."""
+    from mlxserve.models.load import load
+
+    assert not paged_batch.fetch_is_read(tiny("gemma3-tiny").model, BLOCK)
+    assert paged_batch.fetch_is_read(load("plamo", load_format="dummy", progress=False).model, BLOCK)
 
 
 

@@ -6,7 +6,8 @@
 #   setup-b  (carry .gpu-b)              MLX, mlx-lm
 #   setup-c  (carry .gpu-extra .gpu-vllm) mlxserve's other packages; vllm-mlx apart in ~/vllm-site
 #   engine   R SHAPE..   `bench engine`, contiguous then paged, per shape (dummy 4-bit)
-#   serve    R SHAPE..   `bench serve --start vllm-mlx,mlxserve,mlxserve@paged`, per shape
+#   serve    R SHAPE..   `bench serve --start vllm-mlx,mlxserve,mlxserve@contiguous`, per shape
+#                        (mlxserve: the default, --kv-layout auto, paged on CUDA)
 #   step     R SHAPE..   decode step time, contiguous vs paged under bare BatchGenerator (step.py)
 #   tests    R           the paged tests on the GPU (the CUDA kernel's included)
 # R: the results folder. LEVELS, REQUESTS, ARGS (extra mlxserve args for both layouts) override.
@@ -14,7 +15,7 @@ set -u
 step=${1:?step}; shift
 export PYTHONPATH=$HOME/site:$PWD MLX_PTX_CACHE_DIR=$HOME/stash/ptx MLXSERVE_CACHE_DIR=$HOME/stash/.gpu-extra/cache
 LEVELS=${LEVELS:-1,4,16,32,64}; REQUESTS=${REQUESTS:-32}; ARGS=${ARGS:-}
-START=${START:-vllm-mlx,mlxserve,mlxserve@paged}; VARIANTS=${VARIANTS:-}  # VARIANTS: more --peer-args
+START=${START:-vllm-mlx,mlxserve,mlxserve@contiguous}; VARIANTS=${VARIANTS:-}  # VARIANTS: more --peer-args
 model() { local d=/tmp/m-$1; [ -d "$d" ] || python3 -m mlxserve convert --load-format dummy "$1" --quantize 4 --out-dir "$d" >/dev/null; echo "$d"; }
 case $step in
 setup-a) mkdir -p ~/stash && cp .gpu-a/part.00 ~/stash/ ;;
@@ -44,7 +45,8 @@ serve)
     eval "extra=($VARIANTS)"
     python3 -m mlxserve bench serve --start "$START" --model-dir "$d" "${extra[@]}" \
       --peer-path vllm-mlx=$HOME/vllm-site --peer-args "mlxserve=--warmup 0 $ARGS" \
-      --peer-args "mlxserve@paged=--warmup 0 --kv-layout paged $ARGS" --endpoint completions \
+      --peer-args "mlxserve@paged=--warmup 0 --kv-layout paged $ARGS" \
+      --peer-args "mlxserve@contiguous=--warmup 0 --kv-layout contiguous $ARGS" --endpoint completions \
       --concurrency "$LEVELS" --requests "$REQUESTS" --input-len 128 --output-len 128 --timeout 120 \
       --start-timeout 240 --out-dir "$R" 2>&1 | grep -v "req/s\]" | tail -40
   done ;;

@@ -4,8 +4,9 @@
 
 Per batch size: B prompts of 128 tokens prefilled, then 64 decode steps timed (wall and this
 process's CPU time per step), for: contiguous (mlx-lm's caches), paged (--kv-layout paged's
-caches), and paged-no-fetch (a measurement only: paged, but update_and_fetch returns no gathered
-KV, which qwen3's attention never reads under the paged wrapper: what those lazy arrays cost).
+caches, update_and_fetch returning stand-ins where `paged_batch.fetch_is_read` says only paged
+attention reads its KV, as the engine does) and paged-gathered (update_and_fetch returning the
+lazily gathered KV always, as before: what those lazy arrays cost).
 Then a cProfile of paged steps at the largest batch (the host's top functions)."""
 
 import cProfile
@@ -24,11 +25,12 @@ from mlxserve.models.load import load
 STEPS = 64
 
 
-def run(model, batch, layout, profile=None):
+def run(model, batch, layout, profile=None, fetch_read=False):
     gen = BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=batch, prefill_step_size=2048)
     caches = [make_prompt_cache(model) for _ in range(batch)]
     if layout != "contiguous":
         pool = paged.KVBlocks(256, paged.paged_layers(make_prompt_cache(model)))
+        pool.fetch_read = fetch_read or layout == "paged-gathered"
         caches = [paged_batch.adopt(pool, c) for c in caches]
     prompts = [[(7 * r + 13 * i) % 1000 + 10 for i in range(128)] for r in range(batch)]
     gen.insert(prompts, max_tokens=[STEPS + 8] * batch, caches=caches)
@@ -54,19 +56,16 @@ def main():
     model = load(sys.argv[1]).model
     batches = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "1,4,16,32").split(",")]
     paged_batch.install()
-    fetch = paged_batch.PagedBatchKVCache.keys_and_values
-    print(f"{mx.default_device()}, {STEPS} decode steps after 128-token prompts")
+    fetch_read = paged_batch.fetch_is_read(model, 256)
+    print(f"{mx.default_device()}, {STEPS} decode steps after 128-token prompts; fetch_is_read: {fetch_read}")
     print("| batch | layout | ms/step | host CPU ms/step | tok/s |\n|---|---|---|---|---|")
     for batch in batches:
-        for layout in ("contiguous", "paged", "paged-no-fetch"):
-            paged_batch.PagedBatchKVCache.keys_and_values = fetch if layout != "paged-no-fetch" else \
-                lambda self: (None, None)
-            run(model, batch, layout)  # warm: kernels for these shapes
-            ms, cpu = run(model, batch, layout)
+        for layout in ("contiguous", "paged", "paged-gathered"):
+            run(model, batch, layout, fetch_read=fetch_read)  # warm: kernels for these shapes
+            ms, cpu = run(model, batch, layout, fetch_read=fetch_read)
             print(f"| {batch} | {layout} | {ms:.2f} | {cpu:.2f} | {batch * 1e3 / ms:,.0f} |", flush=True)
-    paged_batch.PagedBatchKVCache.keys_and_values = fetch
     prof = cProfile.Profile()
-    run(model, batches[-1], "paged", prof)
+    run(model, batches[-1], "paged", prof, fetch_read)
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 

@@ -53,6 +53,10 @@ class KVBlocks:
         # Merges in progress (paged_batch.merged_rows): BatchGenerator merges a batch's requests
         # layer by layer, and the paged layers of one merge must share one PagedRows.
         self.merges = {}
+        # Whether the batch's update_and_fetch must return its layers' KV gathered from the blocks
+        # (something besides paged attention reads it), or may return stand-ins
+        # (paged_batch.fetch_is_read measures it per model).
+        self.fetch_read = True
 
     def __deepcopy__(self, memo):
         return self  # a copy of a batch (mlx-lm's split) shares the pool

@@ -172,6 +172,12 @@ def paged_attention_kernel(queries, k_pool, v_pool, block_tables, kv_lens, scale
     _, kv_heads, block_size, _ = k_pool.shape
     warps, tiles, n_parts, per_part = launch_shape(queries, k_pool, block_tables)
     params, qscale = _constants(per_part, window or 0, scale)
+    if n_parts == 1 and backend == "cuda":
+        return _cuda_whole_kernel()(
+            inputs=[queries, k_pool, v_pool, block_tables, kv_lens, params, qscale],
+            template=[("T", queries.dtype), ("D", D), ("S", block_size), ("W", warps)],
+            grid=(32 * warps * tiles, B * kv_heads, 1), threadgroup=(32 * warps, 1, 1),
+            output_shapes=[queries.shape], output_dtypes=[queries.dtype])[0]
     build = _cuda_kernel if backend == "cuda" else _metal_kernel
     out, lse = build()(
         inputs=[queries, k_pool, v_pool, block_tables, kv_lens, params, qscale],
@@ -323,6 +329,14 @@ _CUDA_SOURCE = """
   if (lane == 0) lse_part[row] = l > 0.f ? m + log2f(l) : NEG_INF;
 """
 
+# One partition (a short row's decode): the output in the queries' dtype, no partials to combine;
+# a decode step saves a cast per layer.
+_CUDA_WHOLE_SOURCE = _CUDA_SOURCE[:_CUDA_SOURCE.index("  const int64_t row")] + """  const int64_t row = (int64_t)(b * HQ + qh) * L + i;
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+  for (int k = 0; k < DPL; ++k) out[row * D + lane * DPL + k] = static_cast<T>(acc[k] * inv);
+"""
+
 # The same algorithm for Metal. NOT RUN: this project has no Mac; opt-in only (kernel="metal").
 _METAL_SOURCE = """
   constexpr int DPL = D / 32;
@@ -403,6 +417,12 @@ def _cuda_kernel():
     """Built once per process; MLX compiles one instance per (T, D, S, W) at its first call."""
     return mx.fast.cuda_kernel(name="paged_attention", input_names=_INPUTS, output_names=_OUTPUTS,
                                source=_CUDA_SOURCE, header=_CUDA_HEADER)
+
+
+@functools.cache
+def _cuda_whole_kernel():
+    return mx.fast.cuda_kernel(name="paged_attention_whole", input_names=_INPUTS, output_names=["out"],
+                               source=_CUDA_WHOLE_SOURCE, header=_CUDA_HEADER)
 
 
 @functools.cache

@@ -33,7 +33,7 @@ import numpy as np
 from mlx_lm.models import base as _base
 from mlx_lm.models.cache import KVCache, _BaseCache
 
-from mlxserve.cache.paged import BlockRef, KVBlocks, PagedRow, TokenSlots, pooled_kv
+from mlxserve.cache.paged import BlockRef, KVBlocks, PagedRow, TokenSlots, paged_layers, pooled_kv
 from mlxserve.cache.paged_attention import (kernel_here, kernel_supports, paged_attention_gather,
                                             paged_attention_kernel)
 
@@ -240,6 +240,7 @@ class PagedBatchKVCache(_BaseCache):
         self.layer = layer
         self.ops = rows.ops  # batch-wide calls this layer has made (PagedRows.step)
         self.fetched = None  # what update_and_fetch returned last
+        self._stand_in = None  # (shape, keys, values): `_stand_ins`
 
     @property
     def pool(self) -> KVBlocks:
@@ -255,8 +256,22 @@ class PagedBatchKVCache(_BaseCache):
         self.rows.step(self, ("update", n), lambda: self.rows.update(n))
         self.fetched = None  # the last step's lazy reads of the pool go before the write, which is then in place
         self.pool.write(self.layer, self.rows.writes, keys, values)
-        self.fetched = self.keys_and_values()
+        self.fetched = self.keys_and_values() if self.pool.fetch_read else self._stand_ins()
         return self.fetched
+
+    def _stand_ins(self):
+        """What update_and_fetch returns where only the attention wrapper reads it (the pool's
+        `fetch_read` off, as `fetch_is_read` measured for the model): arrays of the gathered KV's
+        shape and dtype, never computed, made once per shape. The gathered KV would cost six
+        graph nodes a layer every step that nothing evaluates."""
+        table, _ = self.rows.arrays()
+        k, v = self.pool.keys[self.layer], self.pool.values[self.layer]
+        shape = (table.shape[0], k.shape[1], table.shape[1] * k.shape[2])
+        if self._stand_in is None or self._stand_in[0] != shape:
+            nan = float("nan")  # should anything read them after all, it shows
+            self._stand_in = (shape, mx.full(shape + (k.shape[3],), nan, k.dtype),
+                              mx.full(shape + (v.shape[3],), nan, v.dtype))
+        return self._stand_in[1:]
 
     def _gathered(self, pool: mx.array) -> mx.array:
         table, _ = self.rows.arrays()
@@ -423,12 +438,45 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
     # Only on the KV update_and_fetch returned: a model that changed it first (plamo tiles its
     # heads, which pairs query head h with kv head h % kv_heads, not GQA's h // group) gets MLX's
     # attention on what it passes.
-    if isinstance(cache, PagedBatchKVCache) and sinks is None and cache.fetched is not None and \
-            keys is cache.fetched[0] and values is cache.fetched[1] and cache.pageable(queries):
-        ours, window = cache.window_of(mask)
-        if ours:
-            return cache.attention(queries, scale, window)
+    if isinstance(cache, PagedBatchKVCache) and cache.fetched is not None and \
+            keys is cache.fetched[0] and values is cache.fetched[1]:
+        if sinks is None and cache.pageable(queries):
+            ours, window = cache.window_of(mask)
+            if ours:
+                return cache.attention(queries, scale, window)
+        if not cache.pool.fetch_read:  # stand-ins: MLX's attention reads the real KV
+            keys, values = cache.keys_and_values()
     return _sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def fetch_is_read(model, block_size: int) -> bool:
+    """Whether anything but the attention wrapper reads the KV a paged layer's update_and_fetch
+    returns, for this model (Gemma's shared-KV layers, a model that reshapes KV before attention
+    would). Measured, not assumed: two rows (prompts of 5 and 9 tokens, prefilled alone) merge into a
+    paged batch, then a chunk of 2 tokens and two decode steps, once returning the gathered KV and
+    once NaN stand-ins; other logits the second time say something else reads it. A model the
+    check cannot run counts as read (the safe side)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    runs = []
+    try:
+        for read in (True, False):
+            pool = KVBlocks(block_size, paged_layers(make_prompt_cache(model)), initial_blocks=4)
+            pool.fetch_read = read
+            rows = []
+            for n in (5, 9):
+                cache = make_prompt_cache(model)
+                model(mx.array([list(range(1, n + 1))]), cache=cache)
+                rows.append(adopt(pool, cache))
+            batch = [rows[0][i].merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+            logits = [model(mx.array([[3, 4], [5, 6]]), cache=batch)]
+            for t in (7, 8):
+                logits.append(model(mx.array([[t], [t + 1]]), cache=batch))
+            mx.eval(logits)
+            runs.append(logits)
+    except Exception:  # noqa: BLE001 - any failure: keep the gathered KV
+        return True
+    return not all(a.shape == b.shape and mx.array_equal(a, b).item() for a, b in zip(*runs))
 
 
 def install() -> None:

@@ -321,8 +321,10 @@ class Runner:
         self.kv_blocks = None
         if kv_layout == "paged":
             paged_batch.install()
-            self.kv_blocks = paged.KVBlocks(prefix_cache.block_size if prefix_cache is not None else block_size,
-                                            paged.paged_layers(make_cache(model, None)))
+            size = prefix_cache.block_size if prefix_cache is not None else block_size
+            self.kv_blocks = paged.KVBlocks(size, paged.paged_layers(make_cache(model, None)))
+            # Where only paged attention reads the KV update_and_fetch returns, it returns stand-ins.
+            self.kv_blocks.fetch_read = paged_batch.fetch_is_read(model, size)
             if prefix_cache is not None:  # the blocks it stores from the solo path go into the pool too
                 prefix_cache.kv_pool = self.kv_blocks
         elif kv_layout != "contiguous":
