@@ -113,7 +113,8 @@ def _signature(input_names, input_types, output_names, source) -> str:
 class EmulatedKernel:
     """Stands in for what `mx.fast.cuda_kernel(...)` returns, for the template instances given.
 
-    Inputs are float/half/bfloat16 arrays named like the kernel's, int32 ones, and float32 outputs.
+    Inputs are float/half/bfloat16 arrays named like the kernel's, and int32 ones; outputs are computed as
+    float and returned in their dtypes.
     """
 
     def __init__(self, input_names, output_names, source, header, instances, input_dtypes):
@@ -195,7 +196,8 @@ class EmulatedKernel:
             args += [str(x.size), *map(str, shape)]
         args += [str(int(np.prod(s))) for s in output_shapes]
         subprocess.run([str(self.binary), *args], cwd=run, check=True, timeout=120)
-        outs = [mx.array(np.fromfile(run / f"out{i}", dtype=np.float32).reshape(s))
-                for i, s in enumerate(output_shapes)]
+        # Written as float; a T output was rounded to T first, so the cast back is exact.
+        outs = [mx.array(np.fromfile(run / f"out{i}", dtype=np.float32).reshape(s)).astype(dtype)
+                for i, (s, dtype) in enumerate(zip(output_shapes, output_dtypes))]
         shutil.rmtree(run)
         return outs

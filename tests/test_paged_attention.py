@@ -173,15 +173,20 @@ def emulated_cuda_kernel():
     shapes += [(mx.float32, c["D"], c["S"], c["group"] * c["L"]) for c in LONG_ROWS.values()]
     instances = sorted({(("T", t), ("D", d), ("S", s), ("W", paged.warps_per_block(rows)))
                         for t, d, s, rows in shapes}, key=str)
-    return cuda_emulator.EmulatedKernel(paged._INPUTS, paged._OUTPUTS, paged._CUDA_SOURCE, paged._CUDA_HEADER,
-                                        instances, ["T", "T", "T", mx.int32, mx.int32, mx.int32, mx.float32])
+    types = ["T", "T", "T", mx.int32, mx.int32, mx.int32, mx.float32]
+    # Both kernels: the partitioned one, and the one-partition one that writes the queries' dtype.
+    return (cuda_emulator.EmulatedKernel(paged._INPUTS, paged._OUTPUTS, paged._CUDA_SOURCE, paged._CUDA_HEADER,
+                                         instances, types),
+            cuda_emulator.EmulatedKernel(paged._INPUTS, ["out"], paged._CUDA_WHOLE_SOURCE, paged._CUDA_HEADER,
+                                         instances, types))
 
 
 @pytest.mark.parametrize("params", CASES + list(LONG_ROWS), ids=lambda p: p if isinstance(p, str) else f"seed{p[0]}")
 def test_cuda_kernel_source_on_a_cpu_emulator(params, emulated_cuda_kernel, monkeypatch):
     """The CUDA kernel's own text, launched as paged_attention launches it and merged by `_combine`,
     with the GPU's warps emulated on the CPU: its indexing, masks and partitions, here on every run."""
-    monkeypatch.setattr(paged, "_cuda_kernel", lambda: emulated_cuda_kernel)
+    monkeypatch.setattr(paged, "_cuda_kernel", lambda: emulated_cuda_kernel[0])
+    monkeypatch.setattr(paged, "_cuda_whole_kernel", lambda: emulated_cuda_kernel[1])
     if isinstance(params, str):
         (case, keys, values), tol = _long_case(params), TOL[mx.float32]
     else:

@@ -172,21 +172,14 @@ def paged_attention_kernel(queries, k_pool, v_pool, block_tables, kv_lens, scale
     _, kv_heads, block_size, _ = k_pool.shape
     warps, tiles, n_parts, per_part = launch_shape(queries, k_pool, block_tables)
     params, qscale = _constants(per_part, window or 0, scale)
+    launch = dict(inputs=[queries, k_pool, v_pool, block_tables, kv_lens, params, qscale],
+                  template=[("T", queries.dtype), ("D", D), ("S", block_size), ("W", warps)],
+                  grid=(32 * warps * tiles, B * kv_heads, n_parts), threadgroup=(32 * warps, 1, 1))
     if n_parts == 1 and backend == "cuda":
-        return _cuda_whole_kernel()(
-            inputs=[queries, k_pool, v_pool, block_tables, kv_lens, params, qscale],
-            template=[("T", queries.dtype), ("D", D), ("S", block_size), ("W", warps)],
-            grid=(32 * warps * tiles, B * kv_heads, 1), threadgroup=(32 * warps, 1, 1),
-            output_shapes=[queries.shape], output_dtypes=[queries.dtype])[0]
+        return _cuda_whole_kernel()(output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
     build = _cuda_kernel if backend == "cuda" else _metal_kernel
-    out, lse = build()(
-        inputs=[queries, k_pool, v_pool, block_tables, kv_lens, params, qscale],
-        template=[("T", queries.dtype), ("D", D), ("S", block_size), ("W", warps)],
-        grid=(32 * warps * tiles, B * kv_heads, n_parts),
-        threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(B, q_heads, L, n_parts, D), (B, q_heads, L, n_parts)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
+    out, lse = build()(output_shapes=[(B, q_heads, L, n_parts, D), (B, q_heads, L, n_parts)],
+                       output_dtypes=[mx.float32, mx.float32], **launch)
     return _combine(out, lse, queries.dtype)
 
 
