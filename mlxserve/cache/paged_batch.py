@@ -460,8 +460,9 @@ def fetch_is_read(model, block_size: int) -> bool:
 
     runs = []
     try:
+        layers = paged_layers(make_prompt_cache(model))
         for read in (True, False):
-            pool = KVBlocks(block_size, paged_layers(make_prompt_cache(model)), initial_blocks=4)
+            pool = KVBlocks(block_size, layers, initial_blocks=4)
             pool.fetch_read = read
             rows = []
             for n in (5, 9):
