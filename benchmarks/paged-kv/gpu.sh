@@ -8,8 +8,9 @@
 #   engine   R SHAPE..   `bench engine`, contiguous then paged, per shape (dummy 4-bit)
 #   serve    R SHAPE..   `bench serve --start vllm-mlx,mlxserve,mlxserve@contiguous`, per shape
 #                        (mlxserve: the default, --kv-layout auto, paged on CUDA)
-#   step     R SHAPE..   decode step time, contiguous vs paged under bare BatchGenerator (step.py)
-#   tests    R           the paged tests on the GPU (the CUDA kernel's included)
+#   step     R SHAPE..   decode step time under bare BatchGenerator by KV layout and matmul (step.py)
+#   matmul   R SHAPE..   one decode step's quantized matmuls by call shape, and the rows kernel (matmul.py)
+#   tests    R           the paged and rows-kernel tests on the GPU (the CUDA kernels' included)
 # R: the results folder. LEVELS, REQUESTS, ARGS (extra mlxserve args for both layouts) override.
 set -u
 step=${1:?step}; shift
@@ -53,9 +54,15 @@ serve)
 step)
   R=$1; shift; mkdir -p "$R"
   for shape in "$@"; do
-    python3 benchmarks/paged-kv/step.py "$(model "$shape")" 1,4,16,32 2>&1 | tee "$R/step-$shape.md" | head -30
+    python3 benchmarks/paged-kv/step.py "$(model "$shape")" "${BATCHES:-1,4,8,16}" 2>&1 | tee "$R/step-$shape.md" | head -30
+  done ;;
+matmul)
+  R=$1; shift; mkdir -p "$R"
+  for shape in "$@"; do
+    python3 benchmarks/paged-kv/matmul.py "$(model "$shape")" 1,2,3,4,6,8,12,16,32 2>&1 | tee "$R/matmul-$shape.md"
   done ;;
 tests)
   R=$1; mkdir -p "$R"
-  timeout 400 python3 -m pytest -q -x tests/test_paged_attention.py tests/test_paged_kv.py 2>&1 | tail -15 ;;
+  timeout 400 python3 -m pytest -q -x tests/test_paged_attention.py tests/test_paged_kv.py tests/test_rows_matmul.py \
+    2>&1 | tail -15 ;;
 esac

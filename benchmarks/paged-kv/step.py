@@ -3,10 +3,10 @@
     python3 benchmarks/paged-kv/step.py MODEL_DIR [BATCHES]
 
 Per batch size: B prompts of 128 tokens prefilled, then 64 decode steps timed (wall and this
-process's CPU time per step), for: contiguous (mlx-lm's caches), paged (--kv-layout paged's
-caches, update_and_fetch returning stand-ins where `paged_batch.fetch_is_read` says only paged
-attention reads its KV, as the engine does) and paged-gathered (update_and_fetch returning the
-lazily gathered KV always, as before: what those lazy arrays cost).
+process's CPU time per step), for each of CONFIGS: the KV layout, contiguous (mlx-lm's caches) or
+paged (--kv-layout paged's caches, update_and_fetch returning stand-ins where
+`paged_batch.fetch_is_read` says only paged attention reads its KV, as the engine does; the layout
+"paged-gathered" returns the lazily gathered KV always), and how quantized layers multiply (`matmul`).
 Then a cProfile of paged steps at the largest batch (the host's top functions)."""
 
 import cProfile
@@ -15,14 +15,32 @@ import sys
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.cache import paged, paged_batch
 from mlxserve.engine import runner  # noqa: F401 - mlxserve's mlx-lm fixes, as the engine has them
+from mlxserve.models import dense, rows_matmul
 from mlxserve.models.load import load
 
 STEPS = 64
+# (KV layout, matmul variant): mlx-lm as vllm-mlx runs it, then mlxserve's paged batch with each matmul.
+CONFIGS = [("contiguous", "mlx"), ("paged", "mlx"), ("paged", "flat"), ("paged", "pad8"), ("paged", "rows")]
+
+
+def matmul(model, variant):
+    """How the model's quantized layers multiply: "mlx" (mlx's own layers: mlx-lm's (B, 1, K) call
+    shape), "flat" (mlxserve's: one matrix), "pad8" (and fewer than 8 rows padded to 8) or "rows" (and
+    models/rows_matmul.py's kernel)."""
+    if variant == "mlx":
+        for _, m in model.named_modules():
+            if isinstance(m, nn.QuantizedLinear):
+                m.__class__ = nn.QuantizedLinear
+            elif isinstance(m, nn.QuantizedEmbedding):
+                m.__class__ = nn.QuantizedEmbedding
+    else:
+        dense.rows_kernel(model, rows_matmul.MAX_ROWS if variant == "rows" else 0, 8 if variant == "pad8" else 0)
 
 
 def run(model, batch, layout, profile=None, fetch_read=False):
@@ -58,13 +76,15 @@ def main():
     paged_batch.install()
     fetch_read = paged_batch.fetch_is_read(model, 256)
     print(f"{mx.default_device()}, {STEPS} decode steps after 128-token prompts; fetch_is_read: {fetch_read}")
-    print("| batch | layout | ms/step | host CPU ms/step | tok/s |\n|---|---|---|---|---|")
+    print("| batch | layout | matmul | ms/step | host CPU ms/step | tok/s |\n|---|---|---|---|---|---|")
     for batch in batches:
-        for layout in ("contiguous", "paged", "paged-gathered"):
+        for layout, variant in CONFIGS if mx.cuda.is_available() else CONFIGS[:-1]:  # rows: a CUDA kernel
+            matmul(model, variant)
             run(model, batch, layout, fetch_read=fetch_read)  # warm: kernels for these shapes
             ms, cpu = run(model, batch, layout, fetch_read=fetch_read)
-            print(f"| {batch} | {layout} | {ms:.2f} | {cpu:.2f} | {batch * 1e3 / ms:,.0f} |", flush=True)
+            print(f"| {batch} | {layout} | {variant} | {ms:.2f} | {cpu:.2f} | {batch * 1e3 / ms:,.0f} |", flush=True)
     prof = cProfile.Profile()
+    matmul(model, "rows" if mx.cuda.is_available() else "flat")
     run(model, batches[-1], "paged", prof, fetch_read)
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 

@@ -22,6 +22,8 @@ import logging
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxserve.models.rows_matmul import quantized_rows
+
 log = logging.getLogger("mlxserve.models")
 
 # The default threshold is mlxserve.backend.DEFAULTS["dense_from"]. CUDA: prefill chunks (and batched
@@ -35,6 +37,8 @@ class DenseAboveLinear(nn.QuantizedLinear):
 
     dense_from = 0
     row_multiple = 1  # a dense call's rows are padded up to a multiple of this
+    rows_kernel = 0  # the most rows (from 2) that take models/rows_matmul.py's kernel; 0: none
+    pad_rows = 0  # calls of 2 rows to fewer than this are padded up to it with zero rows; 0: none
 
     def __call__(self, x):
         if self.dense_from and x.size >= self.dense_from * x.shape[-1]:
@@ -48,7 +52,20 @@ class DenseAboveLinear(nn.QuantizedLinear):
             else:
                 y = mx.matmul(x, w.T)
             return y + self["bias"] if "bias" in self else y
-        return super().__call__(x)
+        y = quantized_rows(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                           self.mode, self.rows_kernel, self.pad_rows)
+        return y + self["bias"] if "bias" in self else y
+
+
+class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
+    """`nn.QuantizedEmbedding` whose tied head (`as_linear`) multiplies all rows as one matrix."""
+
+    rows_kernel = 0
+    pad_rows = 0
+
+    def as_linear(self, x):
+        return quantized_rows(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                              self.mode, self.rows_kernel, self.pad_rows)
 
 
 def check_dense_from(tokens: int) -> int:
@@ -72,6 +89,24 @@ def dense_from(model: nn.Module, tokens: int, row_multiple: int = 1) -> int:
             m.dense_from = tokens
             m.row_multiple = row_multiple
             n += 1
+    return n
+
+
+def rows_kernel(model: nn.Module, most: int, pad_rows: int = 0) -> int:
+    """Send `model`'s quantized matmuls (its linear layers and a tied head) of 2 to `most` rows to
+    models/rows_matmul.py's kernel (0: none); every call multiplies its rows as one matrix either way.
+    Returns how many layers changed (their class, not their weights)."""
+    n = 0
+    for _, m in model.named_modules():
+        if type(m) in (nn.QuantizedLinear, DenseAboveLinear):
+            m.__class__ = DenseAboveLinear
+        elif type(m) in (nn.QuantizedEmbedding, RowsQuantizedEmbedding):
+            m.__class__ = RowsQuantizedEmbedding
+        else:
+            continue
+        m.rows_kernel = most
+        m.pad_rows = pad_rows
+        n += 1
     return n
 
 
@@ -104,10 +139,17 @@ def served_models(loaded) -> list[nn.Module]:
     return models + ([draft.model] if draft is not None else [])
 
 
-def dense_prefill(loaded, setting: int) -> None:
-    """Apply the --dense-from setting to a loaded model and its draft model."""
+def dense_prefill(loaded, setting: int, rows: int = 0, pad_rows: int = 0) -> None:
+    """Apply the --dense-from, --rows-kernel and --pad-rows settings to a loaded model and its draft model."""
     from mlxserve import backend
 
+    if rows < 0 or pad_rows < 0:
+        raise ValueError(f"--rows-kernel and --pad-rows must be 0 (off) or a number of rows, not {min(rows, pad_rows)}")
+    if rows >= 2 and backend.name() != "cuda":
+        raise ValueError(f"--rows-kernel is a CUDA kernel; this backend is {backend.name()}: use 0")
+    if sum(rows_kernel(m, rows, pad_rows) for m in served_models(loaded)) and max(rows, pad_rows) > 2:
+        log.info("quantized matmuls: 2-%d rows padded to %d (--pad-rows); 2-%d rows in mlxserve's kernel "
+                 "(--rows-kernel)", pad_rows - 1, pad_rows, rows)
     tokens = check_dense_from(setting)
     if sum(dense_from(m, tokens, backend.dense_row_multiple()) for m in served_models(loaded)) and tokens:
         log.info("quantized layers multiply densely from %d tokens a call (--dense-from)", tokens)
