@@ -9,10 +9,6 @@ from __future__ import annotations
 DEFAULTS = {
     # Tokens from which a quantized layer multiplies densely (models/dense.py); 0: never.
     "dense_from": {"cuda": 512, "cpu": 8, "metal": 0},
-    # The most rows a quantized matmul sends to models/rows_matmul.py's kernel (from 2); 0: never.
-    "rows_kernel": {"cuda": 0, "cpu": 0, "metal": 0},
-    # Quantized matmuls of 2 to fewer than this many rows are padded up to it (models/dense.py).
-    "pad_rows": {"cuda": 8, "cpu": 0, "metal": 0},
     # Prompt tokens a prefill pass takes of each prompt.
     "prefill_chunk_size": {"cuda": 2048, "cpu": 512, "metal": 512},
     # Tokens per prefix-cache block (benchmarks/prefix-*): on a GPU storing a block costs kernel

@@ -234,19 +234,6 @@ class EngineConfig:
         "CPU (a 0.6B model's 12x). "
         "Default: 512 on CUDA, 8 on the CPU, 0 on Metal (not measured there).",
     )
-    rows_kernel: int | None = setting(
-        None,
-        "The most rows (decoding sequences) a quantized matmul sends to mlxserve's own kernel, which "
-        "reads the packed weight once for all of them (models/rows_matmul.py); 0: never. MLX's CUDA "
-        "kernels read it once per row below 8 rows. "
-        "Default: 0 on CUDA until measured, 0 on the CPU and Metal.",
-    )
-    pad_rows: int | None = setting(
-        None,
-        "A quantized matmul of 2 to fewer than this many rows (decoding sequences) is padded up to it "
-        "with zero rows; 0: never. MLX's CUDA kernels read the packed weight once per row below 8 rows "
-        "and once for all rows from 8 (a GEMM). Default: 8 on CUDA, 0 on the CPU and Metal.",
-    )
     solo_fast_path: bool = setting(
         True,
         "Decode a lone request with a lean single-sequence loop (like mlx-lm's "

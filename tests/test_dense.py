@@ -17,6 +17,7 @@ from mlxserve import backend
 from mlxserve.config import EngineConfig, with_backend_defaults
 from mlxserve.engine import warmup
 from mlxserve.engine.engine import AsyncEngine, EngineDeadError
+from mlxserve.models import dense
 from mlxserve.models.dense import DenseAboveLinear, check_dense_from, dense_from, padded_layers, warm_row_counts
 from mlxserve.models.load import load
 from parity import check_hits_give_the_same_tokens, greedy, prompt_of, run
@@ -78,6 +79,36 @@ def test_a_dense_call_is_really_dense(monkeypatch):
     finally:
         dense_from(layer, 0)
     assert isinstance(layer, DenseAboveLinear)
+
+
+def test_a_batch_of_rows_is_one_matrix_with_the_same_products(monkeypatch):
+    """A batched decode step's (B, 1, K) rows reach MLX's quantized matmul as one (B, K) matrix (MLX's
+    CUDA kernels read the whole weight once per leading index), a tied head's too; one row, or one
+    prompt, goes as it is. The logits are what mlx's own layers give."""
+    from mlx_lm.models import qwen3
+
+    model = qwen3.Model(qwen3.ModelArgs(
+        model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=1, rms_norm_eps=1e-6, vocab_size=256, max_position_embeddings=512, rope_theta=1e4,
+        head_dim=32, tie_word_embeddings=True))
+    nn.quantize(model, group_size=64, bits=4)
+    tokens = mx.array([[5], [17], [99]])
+    want = model(tokens)
+    shapes = []
+    real = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda x, *a, **k: shapes.append(x.shape) or real(x, *a, **k))
+    try:
+        dense_from(model, 0)
+        assert isinstance(model.model.embed_tokens, dense.RowsQuantizedEmbedding)
+        got = model(tokens)
+        assert shapes and all(len(shape) == 2 and shape[0] == 3 for shape in shapes)
+        assert len(shapes) == 1 + sum(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+        assert mx.array_equal(got, want)
+        shapes.clear()
+        model(tokens[:1])
+        assert all(shape[:2] == (1, 1) for shape in shapes)
+    finally:
+        monkeypatch.undo()
 
 
 def test_greedy_tokens_are_the_same_dense_cached_and_batched():

@@ -9,8 +9,8 @@
 #   serve    R SHAPE..   `bench serve --start vllm-mlx,mlxserve,mlxserve@contiguous`, per shape
 #                        (mlxserve: the default, --kv-layout auto, paged on CUDA)
 #   step     R SHAPE..   decode step time under bare BatchGenerator by KV layout and matmul (step.py)
-#   matmul   R SHAPE..   one decode step's quantized matmuls by call shape, and the rows kernel (matmul.py)
-#   tests    R           the paged and rows-kernel tests on the GPU (the CUDA kernels' included)
+#   matmul   R SHAPE..   one decode step's quantized matmuls, (B, 1, K) against (B, K) (matmul.py)
+#   tests    R           the paged and quantized-layer tests on the GPU (the CUDA kernel's included)
 # R: the results folder. LEVELS, REQUESTS, ARGS (extra mlxserve args for both layouts) override.
 set -u
 step=${1:?step}; shift
@@ -63,6 +63,6 @@ matmul)
   done ;;
 tests)
   R=$1; mkdir -p "$R"
-  timeout 400 python3 -m pytest -q -x tests/test_paged_attention.py tests/test_paged_kv.py tests/test_rows_matmul.py \
+  timeout 400 python3 -m pytest -q -x tests/test_paged_attention.py tests/test_paged_kv.py tests/test_dense.py \
     2>&1 | tail -15 ;;
 esac

@@ -21,18 +21,17 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxserve.cache import paged, paged_batch
 from mlxserve.engine import runner  # noqa: F401 - mlxserve's mlx-lm fixes, as the engine has them
-from mlxserve.models import dense, rows_matmul
+from mlxserve.models import dense
 from mlxserve.models.load import load
 
 STEPS = 64
 # (KV layout, matmul variant): mlx-lm as vllm-mlx runs it, then mlxserve's paged batch with each matmul.
-CONFIGS = [("contiguous", "mlx"), ("paged", "mlx"), ("paged", "flat"), ("paged", "pad8"), ("paged", "rows")]
+CONFIGS = [("contiguous", "mlx"), ("paged", "mlx"), ("paged", "flat")]
 
 
 def matmul(model, variant):
-    """How the model's quantized layers multiply: "mlx" (mlx's own layers: mlx-lm's (B, 1, K) call
-    shape), "flat" (mlxserve's: one matrix), "pad8" (and fewer than 8 rows padded to 8) or "rows" (and
-    models/rows_matmul.py's kernel)."""
+    """How the model's quantized layers multiply: "mlx" (mlx's own layers, on mlx-lm's (B, 1, K) call
+    shape, as vllm-mlx runs them) or "flat" (mlxserve's: a batch's rows as one matrix)."""
     if variant == "mlx":
         for _, m in model.named_modules():
             if isinstance(m, nn.QuantizedLinear):
@@ -40,7 +39,7 @@ def matmul(model, variant):
             elif isinstance(m, nn.QuantizedEmbedding):
                 m.__class__ = nn.QuantizedEmbedding
     else:
-        dense.rows_kernel(model, rows_matmul.MAX_ROWS if variant == "rows" else 0, 8 if variant == "pad8" else 0)
+        dense.dense_from(model, 0)
 
 
 def run(model, batch, layout, profile=None, fetch_read=False):
@@ -78,13 +77,13 @@ def main():
     print(f"{mx.default_device()}, {STEPS} decode steps after 128-token prompts; fetch_is_read: {fetch_read}")
     print("| batch | layout | matmul | ms/step | host CPU ms/step | tok/s |\n|---|---|---|---|---|---|")
     for batch in batches:
-        for layout, variant in CONFIGS if mx.cuda.is_available() else CONFIGS[:-1]:  # rows: a CUDA kernel
+        for layout, variant in CONFIGS:
             matmul(model, variant)
             run(model, batch, layout, fetch_read=fetch_read)  # warm: kernels for these shapes
             ms, cpu = run(model, batch, layout, fetch_read=fetch_read)
             print(f"| {batch} | {layout} | {variant} | {ms:.2f} | {cpu:.2f} | {batch * 1e3 / ms:,.0f} |", flush=True)
     prof = cProfile.Profile()
-    matmul(model, "rows" if mx.cuda.is_available() else "flat")
+    matmul(model, "flat")
     run(model, batches[-1], "paged", prof, fetch_read)
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 

@@ -380,7 +380,7 @@ class AsyncEngine:
         kv_layout = caches.kv_layout(cfg, self.loaded)
         if cfg.kv_bits:
             check_kv_bits(self.loaded.model, cfg.kv_bits, dequantize=dequantize_kv)
-        dense_prefill(self.loaded, cfg.dense_from, cfg.rows_kernel, cfg.pad_rows)
+        dense_prefill(self.loaded, cfg.dense_from)
         self.prefix_cache = caches.prefix_cache(cfg, self.loaded, dequantize_kv)
         self.vision_cache = caches.vision_cache(cfg, self.loaded)
         max_num_seqs = cfg.max_num_seqs

@@ -6,13 +6,20 @@ dense matmul: on an H200 a 4B 4-bit model prefilled 1.4-1.8x faster with the wei
 first, on the CPU with OpenBLAS a 0.6B 4-bit model 12x faster
 (benchmarks/dense-prefill-cuda-20261125-1650.md). So over at least `dense_from` tokens these layers
 dequantize their weight (a temporary the size of the dense weight, freed after the layer) and
-multiply densely; below, they are mlx's layer unchanged. Metal is not measured: off there.
+multiply densely; below, they run MLX's quantized matmul. Metal is not measured: off there.
 
 On CUDA a dense call's rows are padded up to a multiple of `row_multiple`: a row count met for
 the first time cost 1-8 ms per weight shape in the dense matmul (cuBLASLt choosing its algorithm;
 a 4B model's prefill at a new length 12-28 ms more than the same length again). With the rows
 padded there are few counts and the warm-up (`warm_row_counts`) runs each of them: passes at new
 lengths 8% faster, repeats 4-7% slower (benchmarks/first-length-cuda-20261125-1944.md).
+
+A batch's rows are one matrix here (`quantized_matmul_rows`). mlx-lm's models call a layer on a
+decode step's (B, 1, K) rows, and MLX's CUDA kernels (0.32) take the leading axes as a batch of
+one-row products, each reading the whole packed weight: a qwen3-4b step's matmuls at 16 rows took
+27 ms against 4.5 ms as one (16, K) matrix, the step 32.7 against 14.0 ms on an H200
+(benchmarks/paged-kv/matmul-cuda-20261128-*). Each output row is its own input row's product either
+way; the reshapes are views.
 """
 
 from __future__ import annotations
@@ -22,8 +29,6 @@ import logging
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxserve.models.rows_matmul import quantized_rows
-
 log = logging.getLogger("mlxserve.models")
 
 # The default threshold is mlxserve.backend.DEFAULTS["dense_from"]. CUDA: prefill chunks (and batched
@@ -32,13 +37,24 @@ log = logging.getLogger("mlxserve.models")
 # wins from 8 tokens on.
 
 
+def quantized_matmul_rows(x: mx.array, layer) -> mx.array:
+    """`layer`'s quantized weight times x (transposed, as a linear layer), all of x's rows as one
+    matrix: (B, 1, K) is multiplied as (B, K). Where the leading axes hold one matrix already (a
+    lone request, a prompt) x goes as it is, without the reshapes' cost."""
+    k = x.shape[-1]
+    one = x.ndim <= 2 or x.size == x.shape[-2] * k
+    y = mx.quantized_matmul(x if one else x.reshape(-1, k), layer["weight"], scales=layer["scales"],
+                            biases=layer.get("biases"), transpose=True, group_size=layer.group_size,
+                            bits=layer.bits, mode=layer.mode)
+    return y if one else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 class DenseAboveLinear(nn.QuantizedLinear):
-    """`nn.QuantizedLinear` that dequantizes its weight for calls over `dense_from` tokens or more."""
+    """`nn.QuantizedLinear` that dequantizes its weight for calls over `dense_from` tokens or more,
+    and below multiplies its rows as one matrix."""
 
     dense_from = 0
     row_multiple = 1  # a dense call's rows are padded up to a multiple of this
-    rows_kernel = 0  # the most rows (from 2) that take models/rows_matmul.py's kernel; 0: none
-    pad_rows = 0  # calls of 2 rows to fewer than this are padded up to it with zero rows; 0: none
 
     def __call__(self, x):
         if self.dense_from and x.size >= self.dense_from * x.shape[-1]:
@@ -51,21 +67,16 @@ class DenseAboveLinear(nn.QuantizedLinear):
                 y = y.reshape(*x.shape[:-1], -1)
             else:
                 y = mx.matmul(x, w.T)
-            return y + self["bias"] if "bias" in self else y
-        y = quantized_rows(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
-                           self.mode, self.rows_kernel, self.pad_rows)
+        else:
+            y = quantized_matmul_rows(x, self)
         return y + self["bias"] if "bias" in self else y
 
 
 class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
-    """`nn.QuantizedEmbedding` whose tied head (`as_linear`) multiplies all rows as one matrix."""
-
-    rows_kernel = 0
-    pad_rows = 0
+    """`nn.QuantizedEmbedding` whose tied head (`as_linear`) multiplies its rows as one matrix."""
 
     def as_linear(self, x):
-        return quantized_rows(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
-                              self.mode, self.rows_kernel, self.pad_rows)
+        return quantized_matmul_rows(x, self)
 
 
 def check_dense_from(tokens: int) -> int:
@@ -89,24 +100,8 @@ def dense_from(model: nn.Module, tokens: int, row_multiple: int = 1) -> int:
             m.dense_from = tokens
             m.row_multiple = row_multiple
             n += 1
-    return n
-
-
-def rows_kernel(model: nn.Module, most: int, pad_rows: int = 0) -> int:
-    """Send `model`'s quantized matmuls (its linear layers and a tied head) of 2 to `most` rows to
-    models/rows_matmul.py's kernel (0: none); every call multiplies its rows as one matrix either way.
-    Returns how many layers changed (their class, not their weights)."""
-    n = 0
-    for _, m in model.named_modules():
-        if type(m) in (nn.QuantizedLinear, DenseAboveLinear):
-            m.__class__ = DenseAboveLinear
-        elif type(m) in (nn.QuantizedEmbedding, RowsQuantizedEmbedding):
+        elif type(m) is nn.QuantizedEmbedding:  # a tied head's rows as one matrix too
             m.__class__ = RowsQuantizedEmbedding
-        else:
-            continue
-        m.rows_kernel = most
-        m.pad_rows = pad_rows
-        n += 1
     return n
 
 
@@ -139,17 +134,11 @@ def served_models(loaded) -> list[nn.Module]:
     return models + ([draft.model] if draft is not None else [])
 
 
-def dense_prefill(loaded, setting: int, rows: int = 0, pad_rows: int = 0) -> None:
-    """Apply the --dense-from, --rows-kernel and --pad-rows settings to a loaded model and its draft model."""
+def dense_prefill(loaded, setting: int) -> None:
+    """Apply the --dense-from setting to a loaded model and its draft model (their quantized layers
+    multiply a batch's rows as one matrix whatever the setting)."""
     from mlxserve import backend
 
-    if rows < 0 or pad_rows < 0:
-        raise ValueError(f"--rows-kernel and --pad-rows must be 0 (off) or a number of rows, not {min(rows, pad_rows)}")
-    if rows >= 2 and backend.name() != "cuda":
-        raise ValueError(f"--rows-kernel is a CUDA kernel; this backend is {backend.name()}: use 0")
-    if sum(rows_kernel(m, rows, pad_rows) for m in served_models(loaded)) and max(rows, pad_rows) > 2:
-        log.info("quantized matmuls: 2-%d rows padded to %d (--pad-rows); 2-%d rows in mlxserve's kernel "
-                 "(--rows-kernel)", pad_rows - 1, pad_rows, rows)
     tokens = check_dense_from(setting)
     if sum(dense_from(m, tokens, backend.dense_row_multiple()) for m in served_models(loaded)) and tokens:
         log.info("quantized layers multiply densely from %d tokens a call (--dense-from)", tokens)
