@@ -4,6 +4,8 @@ own batch caches, rows holding only the blocks their tokens fill, every block gi
 The engine-level checks (cache hits, batches, --kv-layout paged) are tests/test_prefix_cache.py's
 and tests/test_families.py's, parametrized over the layout."""
 
+import functools
+
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
@@ -72,29 +74,96 @@ def test_stand_ins_only_where_nothing_but_attention_reads_the_kv(tiny):
 
 
 
-def test_requests_sharing_a_long_prefix_hold_its_kv_once(tiny):
-    """Issue 35's memory goal: four requests sharing an 8k-token prefix hold its KV once. The first
-    request's blocks stay in the pool as the prefix cache's (no copy); the four that follow, run
-    together, put them in their tables by reference, each adding only blocks of its own tokens."""
+def held_while(engine, prompts):
+    """Greedy runs of `prompts` together, and the most MLX holds (active memory) between two of the
+    engine's steps meanwhile: read on its MLX thread, so no step's temporaries are counted."""
+    import threading
+
+    from parity import greedy, run
+
+    most, done = [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            most[0] = max(most[0], engine.call(held).result())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        results = run(engine, prompts, greedy(8))
+    finally:
+        done.set()
+        watcher.join()
+    return results, max(most[0], engine.call(held).result())
+
+
+def held() -> int:
+    """What MLX holds when no step runs: the steps' work finished, Python's garbage collected."""
+    import gc
+
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)  # where the batch's steps run
+    gc.collect()
+    return mx.get_active_memory()
+
+
+@functools.lru_cache(maxsize=None)
+def kv_heavy_model():
+    """A llama whose KV outweighs its logits (4 KB a token, a 20k vocabulary): MLX's active memory
+    then shows the KV, not a step's outputs."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from mlxserve.models.load import load
+
+    config = Path(tempfile.mkdtemp(prefix="kv-heavy-")) / "config.json"
+    config.write_text(json.dumps(dict(
+        model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-5, vocab_size=20480, max_position_embeddings=16384,
+        rope_theta=10000.0, tie_word_embeddings=False)))
+    return load(str(config), load_format="dummy", progress=False)
+
+
+def long_prefix_run(layout):
+    """One request with an 8k-token prompt alone, then four sharing its prompt together: their hits,
+    the paged pool's stats, and MLX's active memory between steps over what it held before any
+    request: after the first, and the most while the four ran."""
     import asyncio
 
     from mlxserve.config import EngineConfig
     from mlxserve.engine.engine import AsyncEngine
-    from parity import greedy, run
 
-    bs, shared = 256, prompt_of(8192, 1)
+    shared = prompt_of(8192, 1)
     prompts = [shared + prompt_of(40, 10 + i) for i in range(5)]
-    engine = AsyncEngine(tiny("llama-tiny"), EngineConfig(kv_layout="paged", block_size=bs, prefill_chunk_size=2048,
-                                                          max_model_len=8400, warmup=0)).start()
+    engine = AsyncEngine(kv_heavy_model(), EngineConfig(kv_layout=layout, block_size=256, prefill_chunk_size=2048,
+                                                        max_model_len=8400, warmup=0)).start()
     try:
-        (_, cold), = run(engine, prompts[:1], greedy(8))  # alone: the solo path, its blocks stored in the pool
-        hits = run(engine, prompts[1:], greedy(8))  # together: the batch
-        stats = asyncio.run(engine.cache_stats())["paged_kv"]
+        base = engine.call(held).result()
+        (_, cold), = held_while(engine, prompts[:1])[0]  # alone: the solo path, its blocks stored in the cache
+        one = engine.call(held).result() - base
+        hits, four = held_while(engine, prompts[1:])  # together: the batch
+        stats = asyncio.run(engine.cache_stats())
     finally:
         engine.stop()
     assert cold == 0 and [n for _, n in hits] == [8192] * 4
-    one_request = -(-(8192 + 40 + 8) // bs) * stats["block_bytes"]  # its prompt and output, alone
-    assert stats["peak_bytes"] <= 1.25 * one_request, (stats, one_request)
+    return stats, one, four - base
+
+
+def test_requests_sharing_a_long_prefix_hold_its_kv_once():
+    """Issue 35's memory goal: four requests sharing an 8k-token prefix hold its KV once. The first
+    request's blocks stay in the pool as the prefix cache's (no copy); the four that follow, run
+    together, put them in their tables by reference, each adding only blocks of its own tokens.
+    Counted twice: the pool's blocks, and MLX's active memory: the four add to what the first left
+    no more than a quarter of its KV; contiguous, each of the four holds a copy of its own."""
+    stats, one, four = long_prefix_run("paged")
+    pool = stats["paged_kv"]
+    one_request = -(-(8192 + 40 + 8) // pool["block_size"]) * pool["block_bytes"]  # its prompt and output, alone
+    assert pool["peak_bytes"] <= 1.25 * one_request, (pool, one_request)
+    assert one >= one_request and four - one <= 0.25 * one_request, (one, four, one_request)
+    _, one, four = long_prefix_run("contiguous")
+    assert four - one >= 3 * one_request, (one, four, one_request)
 
 
 def test_paged_refuses_quantized_kv(tiny):
