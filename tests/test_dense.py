@@ -87,12 +87,13 @@ def test_a_batch_of_rows_is_one_matrix_with_the_same_products(monkeypatch):
     prompt, goes as it is. The logits are what mlx's own layers give."""
     from mlx_lm.models import qwen3
 
+    # bfloat16 as served, K over one quantization group: MLX's CUDA GEMM for K = group size (qmm_sm90)
+    # did not compile on the GPU machine (its toolkit lacks crt/mma.h).
     model = qwen3.Model(qwen3.ModelArgs(
         model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
         num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=256, max_position_embeddings=512, rope_theta=1e4,
-        head_dim=32, tie_word_embeddings=True))  # K over one group: MLX's CUDA GEMM for K = group size
-        # (qmm_sm90) did not compile on the GPU machine (its toolkit lacks crt/mma.h)
-    model.set_dtype(mx.bfloat16)  # as served
+        head_dim=32, tie_word_embeddings=True))
+    model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=64, bits=4)
     tokens = mx.array([[5], [17], [99]])
     want = model(tokens)
