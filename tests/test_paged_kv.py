@@ -73,7 +73,6 @@ def test_stand_ins_only_where_nothing_but_attention_reads_the_kv(tiny):
     assert paged_batch.fetch_is_read(load("plamo", load_format="dummy", progress=False).model, BLOCK)
 
 
-
 def held_while(engine, prompts):
     """Greedy runs of `prompts` together, and the most MLX holds (active memory) between two of the
     engine's steps meanwhile: read on its MLX thread, so no step's temporaries are counted."""
