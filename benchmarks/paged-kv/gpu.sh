@@ -11,6 +11,8 @@
 #   step     R SHAPE..   decode step time under bare BatchGenerator by KV layout and matmul (step.py)
 #   matmul   R SHAPE..   one decode step's quantized matmuls, (B, 1, K) against (B, K) (matmul.py)
 #   tests    R           the paged and quantized-layer tests on the GPU (the CUDA kernel's included)
+#   profile  R SHAPE LABEL[=ARGS]..  py-spy on each server under a 4-stream load (spy.py; carry
+#                        .gpu-prof, py-spy's binary)
 # R: the results folder. LEVELS, REQUESTS, ARGS (extra mlxserve args for both layouts) override.
 set -u
 step=${1:?step}; shift
@@ -61,6 +63,10 @@ matmul)
   for shape in "$@"; do
     python3 benchmarks/paged-kv/matmul.py "$(model "$shape")" 1,2,3,4,6,8,12,16,32 2>&1 | tee "$R/matmul-$shape.md"
   done ;;
+profile)
+  R=$1; d=$(model "$2"); shift 2; mkdir -p "$R"
+  python3 benchmarks/paged-kv/spy.py "$d" "$R" "$PWD/.gpu-prof/py-spy" "$@" --peer-path vllm-mlx=$HOME/vllm-site \
+    2>&1 | grep -v "req/s\]" | tail -150 ;;
 tests)
   R=$1; mkdir -p "$R"
   timeout 400 python3 -m pytest -q -x tests/test_paged_attention.py tests/test_paged_kv.py tests/test_dense.py \
