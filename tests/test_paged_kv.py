@@ -4,9 +4,10 @@ own batch caches, rows holding only the blocks their tokens fill, every block gi
 The engine-level checks (cache hits, batches, --kv-layout paged) are tests/test_prefix_cache.py's
 and tests/test_families.py's, parametrized over the layout."""
 
-import functools
+import json
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -107,17 +108,13 @@ def held() -> int:
     return mx.get_active_memory()
 
 
-@functools.lru_cache(maxsize=None)
-def kv_heavy_model():
+@pytest.fixture(scope="module")
+def kv_heavy_model(tmp_path_factory):
     """A llama whose KV outweighs its logits (4 KB a token, a 20k vocabulary): MLX's active memory
     then shows the KV, not a step's outputs."""
-    import json
-    import tempfile
-    from pathlib import Path
-
     from mlxserve.models.load import load
 
-    config = Path(tempfile.mkdtemp(prefix="kv-heavy-")) / "config.json"
+    config = tmp_path_factory.mktemp("kv-heavy") / "config.json"
     config.write_text(json.dumps(dict(
         model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
         num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-5, vocab_size=20480, max_position_embeddings=16384,
@@ -125,7 +122,7 @@ def kv_heavy_model():
     return load(str(config), load_format="dummy", progress=False)
 
 
-def long_prefix_run(layout):
+def long_prefix_run(loaded, layout):
     """One request with an 8k-token prompt alone, then four sharing its prompt together: their hits,
     the paged pool's stats, and MLX's active memory between steps over what it held before any
     request: after the first, and the most while the four ran."""
@@ -136,8 +133,8 @@ def long_prefix_run(layout):
 
     shared = prompt_of(8192, 1)
     prompts = [shared + prompt_of(40, 10 + i) for i in range(5)]
-    engine = AsyncEngine(kv_heavy_model(), EngineConfig(kv_layout=layout, block_size=256, prefill_chunk_size=2048,
-                                                        max_model_len=8400, warmup=0)).start()
+    engine = AsyncEngine(loaded, EngineConfig(kv_layout=layout, block_size=256, prefill_chunk_size=2048,
+                                              max_model_len=8400, warmup=0)).start()
     try:
         base = engine.call(held).result()
         (_, cold), = held_while(engine, prompts[:1])[0]  # alone: the solo path, its blocks stored in the cache
@@ -150,24 +147,22 @@ def long_prefix_run(layout):
     return stats, one, four - base
 
 
-def test_requests_sharing_a_long_prefix_hold_its_kv_once():
+def test_requests_sharing_a_long_prefix_hold_its_kv_once(kv_heavy_model):
     """Issue 35's memory goal: four requests sharing an 8k-token prefix hold its KV once. The first
     request's blocks stay in the pool as the prefix cache's (no copy); the four that follow, run
     together, put them in their tables by reference, each adding only blocks of its own tokens.
     Counted twice: the pool's blocks, and MLX's active memory: the four add to what the first left
     no more than a quarter of its KV; contiguous, each of the four holds a copy of its own."""
-    stats, one, four = long_prefix_run("paged")
+    stats, one, four = long_prefix_run(kv_heavy_model, "paged")
     pool = stats["paged_kv"]
     one_request = -(-(8192 + 40 + 8) // pool["block_size"]) * pool["block_bytes"]  # its prompt and output, alone
     assert pool["peak_bytes"] <= 1.25 * one_request, (pool, one_request)
     assert one >= one_request and four - one <= 0.25 * one_request, (one, four, one_request)
-    _, one, four = long_prefix_run("contiguous")
+    _, one, four = long_prefix_run(kv_heavy_model, "contiguous")
     assert four - one >= 3 * one_request, (one, four, one_request)
 
 
 def test_paged_refuses_quantized_kv(tiny):
-    import pytest
-
     from mlxserve.config import EngineConfig
     from mlxserve.engine.engine import AsyncEngine, EngineDeadError
 
@@ -232,8 +227,6 @@ def test_a_model_that_reshapes_its_kv_before_attention_is_served_alike(tmp_path)
 
 def test_paged_refuses_mlx_vlm_text_models():
     """mlx-vlm's language models (served as text) make their own masks and attention."""
-    import pytest
-
     from mlxserve.config import EngineConfig
     from mlxserve.engine.engine import AsyncEngine, EngineDeadError
     from mlxserve.models.load import load

@@ -90,8 +90,9 @@ def dense_from(model: nn.Module, tokens: int, row_multiple: int = 1) -> int:
     """Make `model`'s quantized linear layers multiply densely from `tokens` tokens a call (0: never),
     their rows padded up to a multiple of `row_multiple`.
 
-    Returns how many layers changed. (The layers keep their weights: only their class changes, to
-    a subclass whose call differs above the threshold.)
+    Below the threshold they, and a tied head, multiply a batch's rows as one matrix
+    (`quantized_matmul_rows`). Returns how many linear layers changed. (The layers keep their
+    weights: only their class changes, to a subclass whose call differs.)
     """
     n = 0
     for _, m in model.named_modules():
